@@ -1,0 +1,35 @@
+# One-command set-up on a fresh machine. `make train` runs the main job on real
+# data (scikit-learn's digits) on a local Ray cluster tracked in a local MLflow
+# store; `make test` runs the default test suite. Both create .venv if missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch that lies on this machine's disk. Installed first, and
+# alone, so pip never resolves an unpinned torch (a CUDA build of several GB).
+# Set TORCH_SPEC= (empty) to keep a torch that is already in the environment.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup train test test-all clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/elastic-ddp prepare digits data/digits
+	$(VENV)/bin/elastic-ddp train experiments/configs/digits_cnn.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf data mlruns mlflow.db ray_results outputs

@@ -1,0 +1,126 @@
+"""The ``elastic-ddp`` command: thin wrappers over the library.
+
+    elastic-ddp prepare digits data/digits
+    elastic-ddp prepare pycode data/pycode --block-size 128
+    elastic-ddp plan  experiments/configs/digits_cnn.yaml
+    elastic-ddp train experiments/configs/digits_cnn.yaml --set scaling.max_workers=4
+
+Exit codes: 0 success, 1 training failed, 2 bad config or data (nothing was started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-ddp", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pr = sub.add_parser("prepare", help="write a real data set as sharded Parquet")
+    pr.add_argument("dataset", choices=["digits", "pycode"])
+    pr.add_argument("out_dir")
+    pr.add_argument("--num-files", type=int, default=None)
+    pr.add_argument("--block-size", type=int, default=128, help="pycode: tokens per window")
+    pr.add_argument("--max-bytes", type=int, default=None, help="pycode: cap the corpus")
+
+    for name, helptext in (("train", "run a training job"), ("plan", "valid world sizes for a config")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("config", help="YAML preset, e.g. experiments/configs/digits_cnn.yaml")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set scaling.max_workers=4 (repeatable)")
+        if name == "train":
+            sp.add_argument("--no-progress", action="store_true", help="plain log lines only")
+            sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from elastic_ddp.config import Config, ConfigError
+
+    try:
+        if args.cmd == "prepare":
+            return _prepare(args)
+        cfg = Config.load(args.config, args.overrides)
+        if args.cmd == "plan":
+            return _plan(cfg)
+        return _train(cfg, args)
+    except ConfigError as e:
+        print(f"elastic-ddp: config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - map known input errors to exit 2
+        from elastic_ddp.data.scan import DataError
+
+        if isinstance(e, DataError):
+            print(f"elastic-ddp: data error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _prepare(args) -> int:
+    from elastic_ddp.data.prepare import prepare_digits, prepare_pycode
+
+    if args.dataset == "digits":
+        out = prepare_digits(args.out_dir, **({"num_files": args.num_files} if args.num_files else {}))
+    else:
+        kw = {"block_size": args.block_size, "max_bytes": args.max_bytes}
+        if args.num_files:
+            kw["num_files"] = args.num_files
+        out = prepare_pycode(args.out_dir, **kw)
+    print(json.dumps({k: v for k, v in out.items()}, indent=1, default=str))
+    return 0
+
+
+def _plan(cfg) -> int:
+    from elastic_ddp.batching import valid_world_sizes
+
+    b, s = cfg.batch, cfg.scaling
+    print(f"global_batch_size={b.global_batch_size} micro_batch_size<={b.micro_batch_size} "
+          f"policy={b.policy} workers {s.min_workers}..{s.max_workers}")
+    print(f"{'world_size':>10} {'global':>7} {'rows/rank':>12} {'grad_accum':>10} {'lr_x':>6}  note")
+    for ws, plan, why in valid_world_sizes(b.global_batch_size, b.micro_batch_size,
+                                           s.min_workers, s.max_workers, b.policy, b.lr_scaling):
+        if plan is None:
+            print(f"{ws:>10} {'-':>7} {'-':>12} {'-':>10} {'-':>6}  refused: {why}")
+            continue
+        rows = plan.rows_per_rank
+        rr = str(rows[0]) if plan.even else f"{min(rows)}-{max(rows)}"
+        print(f"{ws:>10} {plan.global_batch_size:>7} {rr:>12} {plan.grad_accum_steps:>10} "
+              f"{plan.lr_multiplier:>6.2f}  {'even' if plan.even else 'uneven (loss-weighted, exact mean)'}")
+    return 0
+
+
+def _train(cfg, args) -> int:
+    from dataclasses import asdict
+
+    from elastic_ddp.launcher import TrainingError, train
+
+    print("elastic-ddp config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=1), flush=True)
+    try:
+        summary = train(cfg, progress=not args.no_progress)
+    except TrainingError as e:
+        print(f"elastic-ddp: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(asdict(summary), indent=1, default=str))
+    else:
+        metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
+        print("\n=== elastic-ddp summary ===")
+        print(f"validation:       {metrics}")
+        print(f"steps / epochs:   {summary.steps} / {summary.epochs}")
+        print(f"wall time:        {summary.wall_s:.1f} s   goodput {summary.goodput:.2%}")
+        print(f"world sizes seen: {summary.world_sizes_seen}   restarts: {summary.restarts}")
+        for ev in summary.events:
+            print(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
+                  f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")
+        print(f"MLflow run:       {summary.run_id} at {summary.tracking_uri}")
+        print(f"open the UI:      {summary.mlflow_ui_command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The typed config tree: YAML preset + ``--set key=value`` overrides, validated up front.
+
+    elastic-ddp train experiments/configs/digits_cnn.yaml --set scaling.max_workers=4
+
+Every field has a description; unknown keys are refused. Validation errors name the
+field (``batch.global_batch_size``) and say how to fix it; the CLI turns them into
+exit code 2 before any Ray or MLflow work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the field (or file) and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Where the Parquet data lives and which columns mean what."""
+
+    train_path: str = Field(description="Directory (or file) of training Parquet files.")
+    val_path: Optional[str] = Field(
+        None, description="Directory of validation Parquet files; none skips validation."
+    )
+    feature_column: str = Field(
+        "x", description="Column with the input: a list of numbers (pixels or token ids)."
+    )
+    label_column: Optional[str] = Field(
+        "y", description="Column with the integer class label; null for language modelling."
+    )
+    id_column: str = Field(
+        "sample_id", description="Unique int64 id per row; the ledger of what was consumed."
+    )
+    materialize: bool = Field(
+        True,
+        description=(
+            "Read the Parquet files once into Ray's object store before training, so every "
+            "epoch and restart re-reads from memory (a read_parquet execution costs seconds "
+            "of fixed overhead). false streams from Parquet at every epoch: for data sets "
+            "larger than the object store."
+        ),
+    )
+
+
+class ModelConfig(_Section):
+    """Which network to build. Fields a model does not use are ignored by it."""
+
+    name: Literal["mlp", "cnn", "gpt"] = Field("cnn", description="Model registry key.")
+    num_classes: int = Field(10, ge=2, description="Classes for mlp/cnn.")
+    input_shape: list[int] = Field(
+        default_factory=lambda: [1, 8, 8],
+        description="Shape of one sample's features (C, H, W) for cnn; its product for mlp.",
+    )
+    hidden: int = Field(128, ge=1, description="mlp hidden width / cnn channel width.")
+    batch_norm: bool = Field(False, description="cnn: BatchNorm after each conv.")
+    vocab_size: int = Field(256, ge=2, description="gpt: byte-level vocabulary.")
+    block_size: int = Field(128, ge=2, description="gpt: context length in tokens.")
+    n_layer: int = Field(2, ge=1, description="gpt: transformer blocks.")
+    n_head: int = Field(4, ge=1, description="gpt: attention heads.")
+    n_embd: int = Field(128, ge=8, description="gpt: embedding width.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.name == "gpt" and self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head "
+                f"({self.n_head}); pick e.g. n_head={_divisor_hint(self.n_embd, self.n_head)}"
+            )
+        return self
+
+
+class OptimConfig(_Section):
+    """Optimizer and LR schedule (warm-up then cosine)."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(1e-3, gt=0, description="Peak LR at batch.global_batch_size.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps to the peak LR.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor / peak LR.")
+    grad_clip: float = Field(0.0, ge=0, description="Max global grad norm; 0 disables.")
+
+
+class BatchConfig(_Section):
+    """Global batch arithmetic. global = micro-batch x grad_accum_steps x world_size."""
+
+    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step.")
+    micro_batch_size: int = Field(
+        64, ge=1, description="Largest per-rank forward/backward batch (memory bound)."
+    )
+    policy: Literal["fixed_global", "uneven", "scale_lr"] = Field(
+        "fixed_global",
+        description=(
+            "fixed_global: keep the global batch; refuse world sizes in [min, max] that "
+            "do not divide it. uneven: keep the global batch at every world size, ranks "
+            "differ by at most one row (loss-weighted, exact mean). scale_lr: per-rank "
+            "batch fixed at global_batch_size/min_workers, global batch and LR scale "
+            "with world size (Goyal et al. 2017)."
+        ),
+    )
+    lr_scaling: Literal["linear", "sqrt"] = Field(
+        "linear", description="scale_lr only: LR multiplier rule for a larger batch."
+    )
+
+
+class TrainConfig(_Section):
+    """Loop lengths and cadences, in optimizer steps."""
+
+    epochs: int = Field(5, ge=1, description="Passes over the training data.")
+    max_steps: Optional[int] = Field(None, ge=1, description="Stop early after this step.")
+    checkpoint_every_steps: int = Field(20, ge=1, description="Checkpoint cadence.")
+    log_every_steps: int = Field(10, ge=1, description="Metrics cadence (and step 1).")
+    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept (newest K).")
+    checksum_every_steps: int = Field(
+        0, ge=0, description="Compare a parameter checksum across ranks; 0 disables."
+    )
+    eval_max_batches: Optional[int] = Field(
+        None, ge=1, description="Cap validation batches per rank (quick runs)."
+    )
+
+
+class ScalingConfig(_Section):
+    """How many Ray Train workers, and on what."""
+
+    min_workers: int = Field(2, ge=1, description="Fewest workers training may run with.")
+    max_workers: int = Field(2, ge=1, description="Most workers; == min for a fixed size.")
+    use_gpu: Literal["auto", True, False] = Field(
+        "auto", description="auto: GPU (NCCL) when the cluster has GPUs, else CPU (gloo)."
+    )
+    cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker.")
+    torch_threads: Optional[int] = Field(
+        None, ge=1, description="torch.set_num_threads per worker; default its CPU share."
+    )
+    max_failures: int = Field(
+        3, ge=-1, description="Worker-group restarts allowed (-1: unlimited)."
+    )
+    health_check_interval_s: float = Field(
+        0.5, gt=0, description=(
+            "Ray Train controller poll period (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): bounds "
+            "how fast a dead worker is noticed and how long a report waits to be consumed "
+            "(Ray's default 2 s makes every checkpoint cost up to 2 s)."),
+    )
+    collective_timeout_s: int = Field(
+        60, ge=5, description="gloo/NCCL collective timeout (a hung peer's upper bound)."
+    )
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "ScalingConfig":
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"scaling.min_workers ({self.min_workers}) > scaling.max_workers "
+                f"({self.max_workers}); set max_workers >= min_workers"
+            )
+        return self
+
+
+class RunConfig(_Section):
+    """Names and places: Ray storage and the MLflow store."""
+
+    name: str = Field("elastic-ddp", description="Ray Train run name; resumable key.")
+    storage_path: str = Field(
+        "ray_results", description="Checkpoint root (made absolute; a URI on a cluster)."
+    )
+    experiment_name: str = Field("elastic-ddp", description="MLflow experiment.")
+    tracking_uri: Optional[str] = Field(
+        None,
+        description="MLflow URI; default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db.",
+    )
+    resume: bool = Field(
+        True, description="Reuse the MLflow run and checkpoints of a same-named run."
+    )
+
+
+class Config(_Section):
+    """The whole job. ``Config.load(path, overrides)`` is the only constructor callers need."""
+
+    seed: int = Field(0, description="Seeds model init and each epoch's sample order.")
+    data: DataConfig
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _batch_fits_world_sizes(self) -> "Config":
+        from elastic_ddp.batching import check_batch_config
+
+        check_batch_config(
+            global_batch_size=self.batch.global_batch_size,
+            micro_batch_size=self.batch.micro_batch_size,
+            min_workers=self.scaling.min_workers,
+            max_workers=self.scaling.max_workers,
+            policy=self.batch.policy,
+        )
+        return self
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+             base: dict | None = None) -> "Config":
+        """Read a YAML preset, apply ``key.sub=value`` overrides, validate.
+
+        Raises:
+            ConfigError: unreadable file, bad override syntax, an unknown key or an
+                invalid value; the message names the file or the dotted field.
+        """
+        raw: dict[str, Any] = dict(base or {})
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {p} not found; pass a YAML file such as "
+                                  "experiments/configs/digits_cnn.yaml")
+            try:
+                loaded = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{p}: not valid YAML: {e}") from e
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{p}: the top level must be a mapping of sections")
+            raw = _deep_merge(raw, loaded)
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--set {item!r}: expected key.sub=value, e.g. "
+                                  "--set scaling.max_workers=4")
+            _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else None)
+        return cls.from_dict(raw, source=str(path) if path else "<dict>")
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "<dict>") -> "Config":
+        """Validate a plain dict. Raises ConfigError naming the dotted field."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ConfigError(_format_validation_error(e, source)) from None
+        except ConfigError as e:  # raised by check_batch_config inside a validator
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """Dotted keys -> values, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, obj: Any) -> None:
+            if isinstance(obj, dict):
+                for k, v in obj.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = obj
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def _divisor_hint(n: int, near: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: abs(d - near))
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {key}: {part} is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _format_validation_error(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check the spelling (see elastic_ddp/config.py)"
+        lines.append(f"  {loc or '<root>'}: {msg}")
+    return "\n".join(lines)

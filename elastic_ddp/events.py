@@ -1,0 +1,126 @@
+"""Controller-side view of the run: failures, resizes, restarts, and deterministic errors.
+
+Ray Train calls these callbacks in its controller actor (``RunConfig(callbacks=...)``),
+not on the workers. They write every event into the job's one MLflow run
+(``events/events.json``) so the driver can join them with the workers' first-step
+timestamps into recovery times.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Dict, List, Optional
+
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2.api.callback import UserCallback
+
+EVENTS_ARTIFACT = "events/events.json"
+
+# Errors that no restart can fix: bad data or config surfacing on a worker.
+_FATAL_PATTERNS = ("DataError", "CheckpointError", "ConfigError", "BatchConfigError")
+_STEP_RE = re.compile(r"StepError: (step \d+) \(epoch \d+, rank \d+\): (.*)")
+
+
+class DeterministicTrainingError(RuntimeError):
+    """The same error at the same step on two attempts in a row (or a data/config error):
+    restarting would only spend the failure budget. Carries the original error text."""
+
+
+def _summarise(exc: Exception) -> str:
+    text = str(exc)
+    m = _STEP_RE.search(text)
+    if m:
+        return f"{m.group(1)}: {m.group(2).strip().splitlines()[0]}"
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else type(exc).__name__
+
+
+class ElasticEvents(UserCallback):
+    """Records failures and stops the job on deterministic errors (raising from a
+    callback makes Ray Train fail the run without retrying: a ControllerError)."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self.events: List[Dict[str, Any]] = []
+        self._last_signature: Optional[str] = None
+        self._last_world_size: Optional[int] = None
+        self._last_step: int = 0
+        self._pending: Dict[int, Exception] = {}
+        self.open_failure: Optional[Dict[str, Any]] = None
+
+    # -- hooks -----------------------------------------------------------------------
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        self.open_failure = None
+        self._last_world_size = len(metrics)
+        steps = [m.get("step", 0) for m in metrics if isinstance(m, dict)]
+        if steps:
+            self._last_step = int(max(steps))
+
+    def after_exception(self, run_context, worker_exceptions: Dict[int, Exception]) -> None:
+        # Called on every poll that sees errors; the decision hook below records once.
+        self._pending = dict(worker_exceptions)
+
+    def on_failure_decision(self, decision) -> None:
+        """Record the failure once; raise to stop retrying a deterministic error."""
+        pending, self._pending = self._pending, {}
+        summaries = {rank: _summarise(e) for rank, e in pending.items()}
+        texts = "\n".join(str(e) for e in pending.values())
+        step_sigs = sorted({s for s in summaries.values() if s.startswith("step ")})
+        cause = step_sigs[0] if step_sigs else next(iter(summaries.values()), "worker group failure")
+        self.record({"type": "failure", "t": time.time(), "cause": cause,
+                     "decision": getattr(decision, "value", str(decision)),
+                     "failed_ranks": sorted(summaries), "world_size_before": self._last_world_size,
+                     "last_checkpoint_step": self._last_step})
+        if getattr(decision, "value", "") != "RETRY":
+            return
+        if any(p in texts for p in _FATAL_PATTERNS):
+            raise DeterministicTrainingError(f"not retried (data/config error): {cause}")
+        signature = step_sigs[0] if step_sigs else None
+        if signature is not None and signature == self._last_signature:
+            raise DeterministicTrainingError(
+                f"the same error at the same step on two attempts, not retried: {cause}")
+        self._last_signature = signature
+
+    # -- shared ----------------------------------------------------------------------
+    def record(self, event: Optional[Dict[str, Any]]) -> None:
+        """Append ``event`` (None: just re-publish) and publish the list to MLflow."""
+        if event is not None:
+            self.events.append(event)
+            if event["type"] == "failure":
+                self.open_failure = event
+        try:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(self.tracking_uri).log_text(
+                self.run_id, json.dumps(self.events, indent=1), EVENTS_ARTIFACT)
+        except Exception:  # noqa: BLE001 - tracking must never kill training
+            pass
+
+
+class ControllerEvents(ControllerCallback):
+    """Feeds Ray Train's failure and resize decisions (elastic grow/shrink) to the
+    ``ElasticEvents`` sink. A separate object because Ray Train routes a callback that is
+    a ``UserCallback`` only to the user hooks."""
+
+    def __init__(self, sink: ElasticEvents):
+        self.sink = sink
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        self.sink.on_failure_decision(failure_decision)
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        if self.sink._last_world_size is None:
+            return  # the first worker group of this controller, not a resize
+        failure = self.sink.open_failure
+        if failure is not None:
+            # Restarting after a failure is executed as a resize: annotate, not a new event.
+            failure["world_size_after"] = int(resize_decision.num_workers)
+            self.sink.record(None)
+            return
+        self.sink.record({"type": "resize", "t": time.time(),
+                          "world_size_before": self.sink._last_world_size,
+                          "world_size_after": int(resize_decision.num_workers),
+                          "last_checkpoint_step": self.sink._last_step})

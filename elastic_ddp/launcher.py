@@ -1,0 +1,320 @@
+"""Build and run the ``TorchTrainer`` for a config: the driver side of one job.
+
+    from elastic_ddp import Config, train
+    summary = train(Config.load("experiments/configs/digits_cnn.yaml"))
+
+Steps: scan the Parquet footers (errors before anything starts) -> connect to Ray ->
+open (or reopen) the job's MLflow run -> TorchTrainer(ScalingConfig((min, max)),
+FailureConfig, CheckpointConfig, callbacks) -> fit with a progress display -> final model
+artifact, restart events and goodput into the run -> summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from elastic_ddp.config import Config
+from elastic_ddp.tracking import default_tracking_uri, finish_run, latest_metrics, open_run
+
+
+class TrainingError(RuntimeError):
+    """The job failed after its restart budget, or on a deterministic error. The MLflow
+    run is closed as FAILED with the error as a tag; the last checkpoint is kept."""
+
+
+@dataclass
+class Summary:
+    """What a finished job reports (also logged to MLflow as ``summary.json``)."""
+
+    run_id: str
+    tracking_uri: str
+    experiment_id: str
+    metrics: dict[str, float]
+    steps: int
+    epochs: int
+    wall_s: float
+    world_sizes_seen: list[int]
+    restarts: int
+    goodput: float
+    events: list[dict] = field(default_factory=list)
+    checkpoint_path: Optional[str] = None
+    mlflow_ui_command: str = ""
+
+
+def _storage_path(cfg: Config) -> str:
+    p = cfg.run.storage_path
+    return p if "://" in p else str(Path(p).expanduser().resolve())
+
+
+def _init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return
+    # A laptop/CI run: a local cluster with enough logical CPUs for max_workers plus
+    # Ray Data's read tasks; the workers set their own torch thread counts.
+    need = int(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 2
+    ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
+             configure_logging=True, logging_level="WARNING")
+
+
+def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_info,
+                  ledger_dir: Optional[str] = None, t0: Optional[float] = None):
+    """The ``TorchTrainer`` for ``cfg`` (not yet fitted). Exposed for tests and experiments."""
+    import ray
+    import ray.data
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic_ddp.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.worker import train_func
+
+    s = cfg.scaling
+    # Read by the Ray Train controller when it starts (propagated from this process).
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.health_check_interval_s)
+    use_gpu = s.use_gpu if s.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) > 0
+    num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
+    cols = [cfg.data.id_column, cfg.data.feature_column] + ([cfg.data.label_column] if cfg.data.label_column else [])
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+    def read(files):
+        ds = ray.data.read_parquet(files, columns=cols)
+        return ds.materialize() if cfg.data.materialize else ds
+
+    datasets = {"train": read(train_info.files)}
+    if val_info is not None:
+        datasets["val"] = read(val_info.files)
+    sink = ElasticEvents(tracking_uri, run_id)
+    loop_config = {
+        "config": cfg.model_dump(mode="json"),
+        "job": {
+            "run_id": run_id, "tracking_uri": tracking_uri, "t0": t0 or time.time(),
+            "train_ids": train_info.sample_ids,
+            "val_ids": val_info.sample_ids if val_info is not None else None,
+            "ledger_dir": ledger_dir,
+        },
+    }
+    return TorchTrainer(
+        train_func,
+        train_loop_config=loop_config,
+        # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
+        # collective for a dead peer before Ray Train tears the group down.
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
+                                 timeout_s=s.collective_timeout_s),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=use_gpu,
+            resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=_storage_path(cfg),
+            failure_config=FailureConfig(max_failures=s.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            callbacks=[sink, ControllerEvents(sink)],
+        ),
+        datasets=datasets,
+        # Every rank reads the whole data set and keeps its own rows (see worker.read_rows):
+        # the split is by sample_id, decided by the batch plan, not by Ray Data.
+        dataset_config=DataConfig(datasets_to_split=[]),
+    )
+
+
+class _Progress:
+    """Driver-side progress: polls the run's latest metrics in MLflow every ``period``
+    seconds. A rich live line on a terminal, plain log lines otherwise."""
+
+    def __init__(self, uri: str, run_id: str, total_steps: int, period: float = 2.0):
+        self.uri, self.run_id, self.total, self.period = uri, run_id, total_steps, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._last = -1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        tty = sys.stdout.isatty()
+        bar = None
+        if tty:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                           TimeElapsedColumn(), transient=False)
+            task = bar.add_task("training", total=self.total)
+            bar.start()
+        try:
+            while not self._stop.wait(self.period):
+                try:
+                    m = latest_metrics(self.uri, self.run_id)
+                except Exception:  # noqa: BLE001 - display only
+                    continue
+                step = int(m.get("step", 0))
+                desc = (f"epoch {int(m.get('epoch', 0))} step {step} loss {m.get('train_loss', float('nan')):.4f} "
+                        f"{m.get('samples_per_s', 0):.0f} samples/s world_size {int(m.get('world_size', 0))}")
+                if bar is not None:
+                    bar.update(task, completed=step, description=desc)
+                elif step != self._last:
+                    print(f"[progress] {desc}", flush=True)
+                self._last = step
+        finally:
+            if bar is not None:
+                bar.stop()
+
+
+def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True) -> Summary:
+    """Run one training job to the end and return its ``Summary``.
+
+    Raises:
+        DataError: the Parquet data fails the footer scan (nothing was started).
+        TrainingError: training failed beyond its restart budget or deterministically;
+            the MLflow run is closed as FAILED.
+    """
+    from elastic_ddp.batching import steps_in_epoch
+    from elastic_ddp.data.scan import scan_parquet
+
+    t0 = time.time()
+    d = cfg.data
+    train_info = scan_parquet(d.train_path, d.feature_column, d.id_column, d.label_column)
+    val_info = scan_parquet(d.val_path, d.feature_column, d.id_column, d.label_column) if d.val_path else None
+    _check_model_fits_data(cfg, train_info)
+
+    t_scan = time.time()
+    _init_ray(cfg)
+    t_ray = time.time()
+    uri = default_tracking_uri(cfg)
+    storage = _storage_path(cfg)
+    run_id, resumed = open_run(cfg, storage, uri)
+    total_steps = steps_in_epoch(train_info.num_rows, cfg.batch.global_batch_size) * cfg.train.epochs
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    print(f"elastic-ddp: run {cfg.run.name!r} -> MLflow run {run_id} ({'resumed' if resumed else 'new'}) "
+          f"at {uri}; {train_info.num_rows} train rows in {len(train_info.files)} files; "
+          f"{total_steps} steps", flush=True)
+
+    trainer = build_trainer(cfg, run_id, uri, train_info, val_info, ledger_dir, t0)
+    print(f"elastic-ddp: start-up: scan {t_scan - t0:.1f}s, ray.init {t_ray - t_scan:.1f}s, "
+          f"datasets {time.time() - t_ray:.1f}s", flush=True)
+    try:
+        if progress:
+            with _Progress(uri, run_id, total_steps):
+                result = trainer.fit()
+        else:
+            result = trainer.fit()
+    except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
+        msg = f"{type(e).__name__}: {e}"
+        _log_events(uri, run_id, t0)
+        finish_run(uri, run_id, ok=False, error=msg)
+        raise TrainingError(f"training failed (MLflow run {run_id} marked FAILED): {msg}") from e
+    return _finish(cfg, uri, run_id, result, t0)
+
+
+def _check_model_fits_data(cfg: Config, info) -> None:
+    from math import prod
+
+    from elastic_ddp.data.scan import DataError
+
+    m = cfg.model
+    if info.feature_len is None:
+        return
+    if m.name in ("mlp", "cnn") and prod(m.input_shape) != info.feature_len:
+        raise DataError(f"{info.files[0]}: column {cfg.data.feature_column!r} has {info.feature_len} "
+                        f"values per row but model.input_shape={m.input_shape} needs {prod(m.input_shape)}; "
+                        f"fix model.input_shape")
+    if m.name == "gpt" and info.feature_len - 1 > m.block_size:
+        raise DataError(f"{info.files[0]}: column {cfg.data.feature_column!r} windows of {info.feature_len} "
+                        f"tokens exceed model.block_size+1={m.block_size + 1}; raise model.block_size")
+    if m.name != "gpt" and not cfg.data.label_column:
+        raise DataError(f"data.label_column is null but model {m.name!r} is a classifier; name the label column")
+    if m.name != "gpt" and info.num_classes_seen and info.num_classes_seen > m.num_classes:
+        raise DataError(f"{info.path}: column {cfg.data.label_column!r} has labels up to "
+                        f"{info.num_classes_seen - 1} but model.num_classes={m.num_classes}; raise it")
+
+
+def _log_events(uri: str, run_id: str, t0: float) -> list[dict]:
+    """Join the controller's events with the workers' first-step times into recovery
+    seconds, and log them (metric ``recovery_s`` per event, ``events/recovery.json``)."""
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.events import EVENTS_ARTIFACT
+
+    client = MlflowClient(uri)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = client.download_artifacts(run_id, EVENTS_ARTIFACT, tmp)
+            events = json.loads(Path(path).read_text())
+    except Exception:  # noqa: BLE001 - no events artifact: no failure or resize happened
+        return []
+    starts = sorted((m.value, int(m.step)) for m in client.get_metric_history(run_id, "attempt_first_step_ts"))
+    steps = sorted((m.timestamp / 1000.0, int(m.value)) for m in client.get_metric_history(run_id, "step"))
+    for i, ev in enumerate(events):
+        nxt = [(ts, s) for ts, s in starts if ts > ev["t"]]
+        if nxt:
+            ev["recovery_s"] = round(nxt[0][0] - ev["t"], 3)
+            ev["resumed_at_step"] = nxt[0][1] - 1
+            before = [s for ts, s in steps if ts <= ev["t"]]
+            ev["steps_recomputed"] = max(0, (max(before) if before else 0) - ev["resumed_at_step"])
+            client.log_metric(run_id, "recovery_s", ev["recovery_s"], step=i)
+    client.log_text(run_id, json.dumps(events, indent=1), "events/recovery.json")
+    return events
+
+
+def _finish(cfg: Config, uri: str, run_id: str, result, t0: float) -> Summary:
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.checkpoint import load_state
+
+    client = MlflowClient(uri)
+    wall = time.time() - t0
+    events = _log_events(uri, run_id, t0)
+    ckpt = result.checkpoint
+    state: dict = {}
+    ckpt_path = None
+    if ckpt is not None:
+        ckpt_path = ckpt.path
+        with ckpt.as_directory() as d:
+            state = load_state(d)
+            # The final model, loadable in plain PyTorch (no DDP "module." prefix).
+            client.log_artifact(run_id, str(Path(d) / "state.pt"), "model")
+            client.log_artifact(run_id, str(Path(d) / "config.json"), "model")
+    counters = json.loads(state.get("counters", "{}")) if state else {}
+    goodput = counters.get("committed_train_s", 0.0) / max(1e-9, wall)
+    client.log_metric(run_id, "goodput", goodput, step=int(state.get("step", 0)))
+    client.log_metric(run_id, "wall_s", wall, step=int(state.get("step", 0)))
+    metrics = {k: v for k, v in latest_metrics(uri, run_id).items()}
+    run = client.get_run(run_id)
+    summary = Summary(
+        run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
+        metrics={k: metrics[k] for k in sorted(metrics) if k.startswith("val_")},
+        steps=int(state.get("step", 0)), epochs=int(state.get("epoch", 0)), wall_s=wall,
+        world_sizes_seen=counters.get("world_sizes_seen", []),
+        restarts=int(counters.get("restarts", 0)), goodput=goodput, events=events,
+        checkpoint_path=ckpt_path,
+        mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
+    )
+    client.log_text(run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
+    finish_run(uri, run_id, ok=True)
+    return summary
+
+
+def mlflow_ui_command(uri: str, experiment_id: str, run_id: str) -> str:
+    """The shell command that opens the MLflow UI on this store, and the run's URL."""
+    store = shlex.quote(uri)
+    return (f"mlflow ui --backend-store-uri {store} --host 127.0.0.1 --port 5000  "
+            f"# then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}")
