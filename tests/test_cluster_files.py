@@ -1,0 +1,286 @@
+"""The files under cluster/ (and .rayignore) are correct without a cluster: every YAML
+parses, every command they run is a real ``elastic-ddp`` subcommand on a config that
+exists and validates, the runtime env is one Ray accepts, the upload keeps data and
+checkpoints out, nothing looks like a committed secret, and local scripts bind to
+127.0.0.1. Fast: no Ray cluster is started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic_ddp.cli import _parser
+from elastic_ddp.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "cluster"
+
+
+def _yaml_docs(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _load_local_cluster():
+    spec = importlib.util.spec_from_file_location("local_cluster", CLUSTER / "local_cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --------------------------------------------------------------------------- YAML
+YAMLS = sorted(CLUSTER.rglob("*.yaml"))
+
+
+def test_cluster_dir_has_the_expected_files():
+    names = {p.relative_to(CLUSTER).as_posix() for p in CLUSTER.rglob("*") if p.is_file()}
+    for need in ("runtime_env.yaml", "local_cluster.py", "mlflow_server.sh", "README.md",
+                 "kuberay/raycluster.yaml", "kuberay/rayjob.yaml", "launcher/aws-gpu.yaml"):
+        assert need in names
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_yaml_parses_to_mappings(path):
+    docs = _yaml_docs(path)
+    assert docs, f"{path} is empty"
+    assert all(isinstance(d, dict) for d in docs)
+
+
+# --------------------------------------------------------------------------- commands
+def _commands(text: str) -> list[list[str]]:
+    """Every ``elastic-ddp ...`` / ``python -m elastic_ddp.cli ...`` command in a text,
+    as argv after the program name (line continuations joined, shell operators cut)."""
+    text = text.replace("\\\n", " ")
+    out = []
+    for m in re.finditer(r"(?:elastic-ddp|python -m elastic_ddp\.cli)\s+(prepare|plan|train|submit)\b([^\n`;&|#]*)", text):
+        argv = [m.group(1), *shlex.split(m.group(2))]
+        if len(argv) > 1:  # a bare mention in prose ("as `elastic-ddp train`") is no command
+            out.append(argv)
+    return out
+
+
+def _command_sources() -> dict[str, str]:
+    src = {}
+    job = _yaml_docs(CLUSTER / "kuberay" / "rayjob.yaml")[0]
+    src["rayjob entrypoint"] = "elastic-ddp " + job["spec"]["entrypoint"].split("elastic-ddp ", 1)[1]
+    launcher = _yaml_docs(CLUSTER / "launcher" / "aws-gpu.yaml")[0]
+    src["launcher setup_commands"] = "\n".join(launcher["setup_commands"])
+    src["launcher comments"] = (CLUSTER / "launcher" / "aws-gpu.yaml").read_text()
+    src["README"] = (CLUSTER / "README.md").read_text()
+    return src
+
+
+def test_entrypoints_are_real_subcommands_on_valid_configs():
+    """Each command parses with the real CLI parser; for train/plan/submit the config
+    file exists in this repo and loads with its --set overrides (so every dotted key
+    exists in Config and every value validates)."""
+    parser = _parser()
+    checked = 0
+    for where, text in _command_sources().items():
+        cmds = _commands(text)
+        assert cmds, f"no elastic-ddp command found in {where}"
+        for argv in cmds:
+            args = parser.parse_args(argv)  # SystemExit on an unknown subcommand/flag
+            if args.cmd in ("train", "plan", "submit"):
+                cfg_path = ROOT / args.config
+                assert cfg_path.is_file(), f"{where}: config {args.config} is not in this repo"
+                Config.load(cfg_path, args.overrides)
+                checked += 1
+    assert checked >= 3
+
+
+def test_rayjob_entrypoint_trains_on_shared_storage():
+    job = _yaml_docs(CLUSTER / "kuberay" / "rayjob.yaml")[0]
+    argv = _commands("elastic-ddp " + job["spec"]["entrypoint"].split("elastic-ddp ", 1)[1])[0]
+    assert argv[0] == "train"
+    args = _parser().parse_args(argv)
+    cfg = Config.load(ROOT / args.config, args.overrides)
+    cluster = _yaml_docs(CLUSTER / "kuberay" / "raycluster.yaml")[0]
+    mounts = {m["mountPath"] for c in cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+              for m in c.get("volumeMounts", [])}
+    # Checkpoints and data on a path every pod mounts (or an object-store URI).
+    for p in (cfg.run.storage_path, cfg.data.train_path):
+        assert "://" in p or any(p.startswith(m + "/") for m in mounts), p
+    assert cfg.scaling.min_workers < cfg.scaling.max_workers  # elastic
+    assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+
+
+def test_commands_finder_rejects_unknown_keys():
+    """The validation above can fail: a misspelt key is refused by Config.load."""
+    (argv,) = _commands("elastic-ddp train experiments/configs/digits_cnn.yaml --set scaling.max_wrkers=4")
+    args = _parser().parse_args(argv)
+    from elastic_ddp.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_wrkers"):
+        Config.load(ROOT / args.config, args.overrides)
+
+
+# --------------------------------------------------------------------------- runtime env
+def test_runtime_env_is_valid_for_ray_and_carries_no_literal_uri():
+    from ray.runtime_env import RuntimeEnv
+
+    from elastic_ddp.submit import load_runtime_env
+
+    raw = yaml.safe_load((CLUSTER / "runtime_env.yaml").read_text())
+    assert raw["working_dir"] == "."
+    assert raw["env_vars"]["MLFLOW_TRACKING_URI"] == "${MLFLOW_TRACKING_URI}"
+    assert all(isinstance(v, str) for v in raw["env_vars"].values())
+    RuntimeEnv(**raw)  # Ray's own validation of field names and types
+
+    filled = load_runtime_env(CLUSTER / "runtime_env.yaml",
+                              {"MLFLOW_TRACKING_URI": "http://mlflow.internal:5000"})
+    assert filled["env_vars"]["MLFLOW_TRACKING_URI"] == "http://mlflow.internal:5000"
+    # Unset in the submitter's env: left for the cluster node to expand.
+    left = load_runtime_env(CLUSTER / "runtime_env.yaml", {})
+    assert left["env_vars"]["MLFLOW_TRACKING_URI"] == "${MLFLOW_TRACKING_URI}"
+
+
+def test_rayignore_keeps_data_and_stores_out_but_keeps_the_package(tmp_path):
+    """Ray's own packaging, with only .rayignore (no .gitignore), over a tree holding
+    every kind of output: none of them is uploaded; the package (including its
+    ``elastic_ddp/data`` subpackage, which a bare ``data/`` pattern would drop) is."""
+    from ray._private.runtime_env.packaging import _zip_files
+
+    tree = tmp_path / "repo"
+    files = {
+        "data/digits/train/part-0.parquet": False, "ray_results/run/checkpoint_1/state.pt": False,
+        "checkpoints/a/state.pt": False, "mlruns/0/meta.yaml": False, "mlflow.db": False,
+        ".venv/bin/python": False, "outputs/x.txt": False,
+        "elastic_ddp/data/scan.py": True, "elastic_ddp/cli.py": True,
+        "experiments/configs/digits_cnn.yaml": True,
+    }
+    for rel in files:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text("x")
+    shutil.copy(ROOT / ".rayignore", tree / ".rayignore")
+    out = tmp_path / "pkg.zip"
+    _zip_files(str(tree), [], str(out), include_gitignore=False)
+    names = set(zipfile.ZipFile(out).namelist())
+    for rel, uploaded in files.items():
+        assert (rel in names) == uploaded, f"{rel}: uploaded={rel in names}, expected {uploaded}"
+
+
+def test_repo_upload_is_small_and_complete():
+    """What `elastic-ddp submit` uploads from this checkout: the package and configs, a
+    few hundred kB, whatever data, stores or venv lie in the working tree."""
+    from ray._private.runtime_env.packaging import _zip_files
+
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"edc-upload-{os.getpid()}.zip"
+    try:
+        _zip_files(str(ROOT), [], str(out), include_gitignore=True)
+        names = zipfile.ZipFile(out).namelist()
+        size = out.stat().st_size
+    finally:
+        out.unlink(missing_ok=True)
+    assert "elastic_ddp/cli.py" in names and "elastic_ddp/data/scan.py" in names
+    assert "experiments/configs/digits_cnn.yaml" in names and "cluster/runtime_env.yaml" in names
+    assert not [n for n in names if n.split("/")[0] in ("data", ".venv", "mlruns", "ray_results", ".git")]
+    assert "mlflow.db" not in names
+    assert size < 5 * 1024 * 1024, f"upload is {size} bytes"
+
+
+# --------------------------------------------------------------------------- secrets
+SECRET_PATTERNS = [
+    ("AWS access key id", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("AWS secret key", re.compile(r"aws_secret_access_key\s*[:=]\s*['\"]?[A-Za-z0-9/+]{20,}", re.I)),
+    ("private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
+    ("password literal", re.compile(r"password\s*[:=]\s*['\"]?(?!\$|\{|<|['\"]?\s*$)[^\s'\"]{3,}", re.I)),
+    ("token literal", re.compile(r"(token|secret|api[_-]?key)['\"]?\s*[:=]\s*['\"]?[A-Za-z0-9_\-]{24,}", re.I)),
+    ("GitHub/Slack token", re.compile(r"\b(ghp_[A-Za-z0-9]{30,}|xox[bp]-[A-Za-z0-9-]{10,})")),
+    ("credentials in URL", re.compile(r"://[^/\s:@]+:[^/\s@$]+@")),
+]
+
+
+def _secrets_in(text: str) -> list[str]:
+    return [name for name, rx in SECRET_PATTERNS if rx.search(text)]
+
+
+@pytest.mark.parametrize("bad", [
+    "aws_access_key_id: AKIAABCDEFGHIJKLMNOP",
+    "password: hunter2hunter2",
+    'RAY_AUTH_TOKEN="f3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8"',
+    "MLFLOW_TRACKING_URI=postgresql://mlflow:s3cret@db:5432/mlflow",
+    "-----BEGIN RSA PRIVATE KEY-----",
+])
+def test_secret_scanner_catches_planted_secrets(bad):
+    assert _secrets_in(bad), bad
+
+
+def test_no_file_under_cluster_looks_like_a_secret():
+    files = [p for p in CLUSTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    files.append(ROOT / ".rayignore")
+    hits = {p.relative_to(ROOT).as_posix(): _secrets_in(p.read_text()) for p in files}
+    assert not {k: v for k, v in hits.items() if v}
+
+
+def test_kuberay_takes_secrets_from_kubernetes_secrets():
+    cluster = _yaml_docs(CLUSTER / "kuberay" / "raycluster.yaml")[0]
+    assert cluster["spec"]["authOptions"]["mode"] == "token"
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for g in groups:
+        for c in g["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert "value" not in env["MLFLOW_TRACKING_URI"]
+            assert env["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"]["name"]
+    gpu = cluster["spec"]["workerGroupSpecs"][0]
+    assert gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"] and gpu["minReplicas"] < gpu["maxReplicas"]
+    c = gpu["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    env = {e["name"] for e in c["env"]}
+    assert {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= env
+
+
+def test_launcher_config_is_elastic_and_keeps_the_cuda_torch():
+    cfg = _yaml_docs(CLUSTER / "launcher" / "aws-gpu.yaml")[0]
+    gpu = cfg["available_node_types"]["gpu_worker"]
+    assert gpu["min_workers"] < gpu["max_workers"] <= cfg["max_workers"]
+    assert cfg["available_node_types"]["head"]["resources"]["CPU"] == 0
+    setup = "\n".join(cfg["setup_commands"])
+    # Installing torch from PyPI here could replace the AMI's CUDA build.
+    assert not re.search(r"pip install[^\n]*\btorch\b", setup)
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "RAY_AUTH_MODE=token" in head
+    assert "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
+
+
+# --------------------------------------------------------------------------- local scripts
+def test_local_cluster_binds_to_loopback_with_token_auth(tmp_path):
+    lc = _load_local_cluster()
+    assert lc.HOST == "127.0.0.1"
+    c = lc.LocalCluster(Path("/tmp") / f"edc-t{os.getpid()}")
+    cmd = c.node_command("head", c.head_args(6390, 8266, 0, 128))
+    joined = " ".join(cmd)
+    assert "--node-ip-address 127.0.0.1" in joined
+    assert "--dashboard-host 127.0.0.1" in joined
+    assert "--block" in cmd  # stoppable by process group, never by `ray stop`
+    assert c.env()["RAY_AUTH_MODE"] == "token"
+    assert c.env()["RAY_AUTH_TOKEN_PATH"].endswith("auth_token")
+    # No command line of the script runs `ray stop` (it would kill other users' Ray).
+    src = (CLUSTER / "local_cluster.py").read_text()
+    assert not re.search(r'(_ray_exe\(\)|"ray")\s*,\s*"stop"', src)
+    assert "os.killpg" in src
+
+
+def test_mlflow_server_script_binds_to_loopback_by_default(tmp_path):
+    """Run the script with MLFLOW=echo: it prints the server command it would exec."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW"] = "echo"
+    out = subprocess.run(["bash", str(CLUSTER / "mlflow_server.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[out.index("--host") + 1] == "127.0.0.1"
+    assert out[out.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path}/mlflow-server.db"
+    env.update(MLFLOW_BACKEND_STORE_URI="postgresql://mlflow@db/mlflow",
+               MLFLOW_ARTIFACTS_DESTINATION="s3://bucket/mlflow")
+    out = subprocess.run(["bash", str(CLUSTER / "mlflow_server.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[out.index("--backend-store-uri") + 1] == "postgresql://mlflow@db/mlflow"
+    assert out[out.index("--artifacts-destination") + 1] == "s3://bucket/mlflow"
