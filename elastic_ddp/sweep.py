@@ -1,0 +1,293 @@
+"""Scaling sweep: the same job at several fixed world sizes, as child runs of one parent
+MLflow run, with a table and plots of where the time goes.
+
+    elastic-ddp sweep experiments/configs/digits_cnn.yaml --world-sizes 1,2 --set train.max_steps=60
+
+Each world size N runs ``train`` with ``scaling.min_workers = max_workers = N`` under its
+own Ray run name (so it never resumes another's checkpoints) and a fresh MLflow run
+tagged ``mlflow.parentRunId``. The parent run gets, as artifacts under ``sweep/``:
+``sweep_table.txt`` (the printed table), ``sweep.json``, ``throughput.png`` (measured
+vs the linear ideal), ``scaling_efficiency.png`` and ``step_breakdown.png`` (stacked
+per-step seconds: data wait, compute, exposed all-reduce, optimizer, other).
+
+Steady-state figures are the median over a child run's metric windows after step 1 (the
+first window holds warm-up: allocator growth, DDP bucket rebuild, gloo connection set-up);
+a median, not a mean, so one window hit by a noisy neighbour does not move it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from elastic_ddp.config import Config, ConfigError
+from elastic_ddp.metrics import scaling_efficiency, step_breakdown
+
+# Metrics read back from each child run (see worker._Window for their meaning).
+_STEADY_KEYS = (
+    "samples_per_s", "tokens_per_s", "step_time_s_mean", "step_time_s_max",
+    "data_wait_s_mean", "fwd_bwd_s_mean", "allreduce_exposed_s_mean", "optimizer_s_mean",
+    "allreduce_s_min", "allreduce_busbw_GBps", "allreduce_bytes_per_step", "data_wait_frac",
+)
+BREAKDOWN_PARTS = ("data_wait", "compute", "allreduce_exposed", "optimizer", "other")
+
+
+@dataclass
+class SweepRow:
+    """One world size's steady-state figures (seconds per optimizer step, mean over
+    ranks unless named ``_max``)."""
+
+    world_size: int
+    run_id: str
+    samples_per_s: float
+    tokens_per_s: Optional[float]
+    efficiency: float
+    step_time_s: float
+    step_time_s_max: float
+    breakdown: dict[str, float]
+    allreduce_s: float
+    allreduce_bytes_per_step: float
+    busbw_GBps: float
+    peak_mem_mib_max: float
+    wall_s: float
+
+
+@dataclass
+class SweepResult:
+    parent_run_id: str
+    tracking_uri: str
+    rows: list[SweepRow]
+    table: str
+    artifacts: list[str] = field(default_factory=list)
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4] (sorted, unique). Raises ConfigError on anything else."""
+    try:
+        sizes = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ConfigError(f"--world-sizes {text!r}: expected comma-separated integers, "
+                          "e.g. --world-sizes 1,2,4") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--world-sizes {text!r}: need at least one size, each >= 1")
+    return sizes
+
+
+def child_config(cfg: Config, world_size: int, tag: str) -> Config:
+    """``cfg`` pinned to ``world_size`` workers under a run name unique to this sweep.
+
+    Raises:
+        ConfigError: the batch settings cannot run at ``world_size`` (checked for every
+            size before anything starts).
+    """
+    raw = cfg.model_dump(mode="json")
+    raw["scaling"]["min_workers"] = raw["scaling"]["max_workers"] = world_size
+    raw["run"]["name"] = f"{cfg.run.name}-sweep-{tag}-ws{world_size}"
+    raw["run"]["resume"] = False
+    return Config.from_dict(raw, source=f"sweep world_size={world_size}")
+
+
+def steady_metrics(uri: str, run_id: str) -> dict[str, float]:
+    """Median of each metric in ``_STEADY_KEYS`` over the run's log windows after step 1
+    (all windows when there is no other), and the max of ``peak_mem_mib_max``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    out: dict[str, float] = {}
+    for key in _STEADY_KEYS + ("peak_mem_mib_max", "wall_s"):
+        hist = client.get_metric_history(run_id, key)
+        if not hist:
+            continue
+        later = [m.value for m in hist if m.step > 1] or [m.value for m in hist]
+        out[key] = max(later) if key in ("peak_mem_mib_max", "wall_s") else statistics.median(later)
+    return out
+
+
+def build_rows(children: Sequence[tuple[int, str, dict[str, float]]]) -> list[SweepRow]:
+    """Rows from (world size, run id, steady metrics), sorted by world size. Efficiency is
+    relative to the smallest world size N0: ``T_N x N0 / (N x T_N0)`` (1.0 = linear)."""
+    children = sorted(children, key=lambda c: c[0])
+    n0, _, m0 = children[0]
+    rows = []
+    for ws, run_id, m in children:
+        nan = math.nan
+        step = m.get("step_time_s_mean", nan)
+        parts = step_breakdown(step, m.get("data_wait_s_mean", 0.0), m.get("fwd_bwd_s_mean", 0.0),
+                               m.get("allreduce_exposed_s_mean", nan), m.get("optimizer_s_mean", 0.0))
+        rows.append(SweepRow(
+            world_size=ws, run_id=run_id, samples_per_s=m.get("samples_per_s", nan),
+            tokens_per_s=m.get("tokens_per_s"),
+            efficiency=scaling_efficiency(m.get("samples_per_s", nan) * n0,
+                                          m0.get("samples_per_s", nan), ws),
+            step_time_s=step, step_time_s_max=m.get("step_time_s_max", nan), breakdown=parts,
+            allreduce_s=m.get("allreduce_s_min", nan),
+            allreduce_bytes_per_step=m.get("allreduce_bytes_per_step", 0.0),
+            busbw_GBps=m.get("allreduce_busbw_GBps", nan),
+            peak_mem_mib_max=m.get("peak_mem_mib_max", nan), wall_s=m.get("wall_s", nan),
+        ))
+    return rows
+
+
+def format_table(rows: Sequence[SweepRow]) -> str:
+    """A fixed-width text table, one line per world size; times in ms per step."""
+    tok = any(r.tokens_per_s for r in rows)
+    head = (f"{'N':>3} {'samples/s':>10}" + (f" {'tokens/s':>10}" if tok else "") +
+            f" {'eff':>6} {'step ms':>8} {'max ms':>8} {'data':>6} {'compute':>8} {'ar_exp':>7}"
+            f" {'optim':>6} {'other':>6} {'ar ms':>7} {'ar MB':>7} {'busbw GB/s':>10}"
+            f" {'peak MiB':>9} {'wall s':>7}")
+    lines = [head]
+    for r in rows:
+        b = {k: v * 1e3 for k, v in r.breakdown.items()}
+        lines.append(
+            f"{r.world_size:>3} {r.samples_per_s:>10.1f}" +
+            (f" {r.tokens_per_s or float('nan'):>10.0f}" if tok else "") +
+            f" {r.efficiency:>6.1%} {r.step_time_s * 1e3:>8.2f} {r.step_time_s_max * 1e3:>8.2f}"
+            f" {b['data_wait']:>6.2f} {b['compute']:>8.2f} {b['allreduce_exposed']:>7.2f}"
+            f" {b['optimizer']:>6.2f} {b['other']:>6.2f} {r.allreduce_s * 1e3:>7.2f}"
+            f" {r.allreduce_bytes_per_step / 1e6:>7.3f} {r.busbw_GBps:>10.3f}"
+            f" {r.peak_mem_mib_max:>9.0f} {r.wall_s:>7.1f}")
+    lines.append("N: world size; eff: samples/s vs linear from the smallest N; step ms: mean "
+                 "over ranks (max: slowest rank); data/compute/ar_exp/optim/other: ms per "
+                 "step (ar_exp = all-reduce not hidden by backward); ar ms: one whole "
+                 "un-overlapped all-reduce (fastest rank); ar MB: 2(N-1)/N x gradient bytes "
+                 "per rank per step; busbw = ar MB / ar ms.")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: Sequence[SweepRow], out_dir: Path, title: str = "") -> list[Path]:
+    """Write throughput.png, scaling_efficiency.png, step_breakdown.png into ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ws = [r.world_size for r in rows]
+    tput = [r.samples_per_s for r in rows]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ideal = [tput[0] * n / ws[0] for n in ws]
+    ax.plot(ws, ideal, "--", color="grey", label="linear ideal")
+    ax.plot(ws, tput, "o-", color="C0", label="measured")
+    for n, t in zip(ws, tput):
+        ax.annotate(f"{t:.0f}", (n, t), textcoords="offset points", xytext=(0, 6), ha="center")
+    ax.set_xlabel("world size (workers)")
+    ax.set_ylabel("samples / s (steady state)")
+    ax.set_xticks(ws)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Throughput vs world size{': ' + title if title else ''}", fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    eff = [r.efficiency * 100 for r in rows]
+    ax.bar([str(n) for n in ws], eff, color="C2")
+    ax.axhline(100, ls="--", color="grey", label="linear scaling")
+    for i, e in enumerate(eff):
+        ax.annotate(f"{e:.0f}%", (i, e), textcoords="offset points", xytext=(0, 3), ha="center")
+    ax.set_xlabel("world size (workers)")
+    ax.set_ylabel(f"scaling efficiency, % of linear from N={ws[0]}")
+    ax.set_ylim(0, max(110, max(eff) * 1.1 if eff else 110))
+    ax.set_title("Scaling efficiency", fontsize=10)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "scaling_efficiency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    bottom = [0.0] * len(rows)
+    labels = {"data_wait": "data wait", "compute": "forward+backward (hidden all-reduce inside)",
+              "allreduce_exposed": "exposed all-reduce", "optimizer": "optimizer",
+              "other": "other"}
+    for i, part in enumerate(BREAKDOWN_PARTS):
+        vals = [r.breakdown[part] * 1e3 for r in rows]
+        ax.bar([str(n) for n in ws], vals, bottom=bottom, label=labels[part], color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("world size (workers)")
+    ax.set_ylabel("ms per optimizer step (mean over ranks)")
+    ax.set_title("Step-time breakdown", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    paths.append(out_dir / "step_breakdown.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
+          out_dir: Optional[str] = None) -> SweepResult:
+    """Run ``cfg`` at each world size (in increasing order) as child runs of one new
+    parent MLflow run; log the table and plots to the parent and return them.
+
+    Raises:
+        ConfigError: a world size the batch settings cannot carry (before anything runs).
+        TrainingError: a child run failed; the parent run is closed as FAILED.
+    """
+    import ray
+    from mlflow.entities import Param
+
+    from elastic_ddp.launcher import _init_ray, train
+    from elastic_ddp.tracking import _client, default_tracking_uri, finish_run
+
+    sizes = sorted(set(world_sizes))
+    tag = time.strftime("%Y%m%d-%H%M%S")
+    children_cfg = {ws: child_config(cfg, ws, tag) for ws in sizes}   # validate all first
+    uri = default_tracking_uri(cfg)
+    client = _client(uri)
+    exp = client.get_experiment_by_name(cfg.run.experiment_name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.run.experiment_name)
+    parent = client.create_run(exp_id, run_name=f"{cfg.run.name}-sweep-{tag}", tags={
+        "elastic_ddp.sweep": ",".join(map(str, sizes)), "elastic_ddp.state": "running"})
+    parent_id = parent.info.run_id
+    params = [Param(k, str(v)[:6000]) for k, v in cfg.to_flat_dict().items()
+              if not k.startswith(("scaling.min_workers", "scaling.max_workers"))]
+    params.append(Param("sweep.world_sizes", ",".join(map(str, sizes))))
+    for i in range(0, len(params), 100):
+        client.log_batch(parent_id, params=params[i:i + 100])
+    print(f"elastic-ddp sweep: world sizes {sizes} -> parent MLflow run {parent_id} at {uri}",
+          flush=True)
+
+    started_ray = not ray.is_initialized()
+    # One Ray cluster for the whole sweep, sized for the largest world size.
+    _init_ray(children_cfg[sizes[-1]])
+    children: list[tuple[int, str, dict[str, float]]] = []
+    try:
+        for ws in sizes:
+            summary = train(children_cfg[ws], progress=progress, parent_run_id=parent_id)
+            m = steady_metrics(uri, summary.run_id)
+            children.append((ws, summary.run_id, m))
+            client.log_metric(parent_id, "samples_per_s", m.get("samples_per_s", math.nan), step=ws)
+    except Exception as e:
+        finish_run(uri, parent_id, ok=False, error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    rows = build_rows(children)
+    table = format_table(rows)
+    for r in rows:
+        client.log_metric(parent_id, "scaling_efficiency", r.efficiency, step=r.world_size)
+    with tempfile.TemporaryDirectory(prefix="elastic-ddp-sweep-") as tmp:
+        d = Path(out_dir) if out_dir else Path(tmp)
+        paths = plot_sweep(rows, d, title=f"{cfg.model.name}, global batch {cfg.batch.global_batch_size}")
+        (d / "sweep_table.txt").write_text(table + "\n")
+        (d / "sweep.json").write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
+        for p in paths + [d / "sweep_table.txt", d / "sweep.json"]:
+            client.log_artifact(parent_id, str(p), "sweep")
+        artifacts = [f"sweep/{p.name}" for p in paths] + ["sweep/sweep_table.txt", "sweep/sweep.json"]
+    finish_run(uri, parent_id, ok=True)
+    return SweepResult(parent_run_id=parent_id, tracking_uri=uri, rows=rows, table=table,
+                       artifacts=artifacts)
