@@ -26,7 +26,7 @@ train: $(STAMP)
 	$(VENV)/bin/elastic-ddp train experiments/configs/digits_cnn.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow and not gpu" -q
+	$(PY) -m pytest -m "not slow" -q
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -32,9 +32,14 @@ class CheckpointError(RuntimeError):
 
 
 def save_state(directory: str | os.PathLike, state: dict[str, Any],
-               config: dict | None = None) -> Path:
+               config: dict | None = None,
+               before_replace: Optional[Callable[[Path], None]] = None) -> Path:
     """Write ``state`` to ``directory/state.pt`` atomically: to a temporary name, fsync,
     then ``os.replace``, so a crash mid-write never leaves a truncated ``state.pt``.
+
+    ``before_replace(tmp_path)`` is a test hook (fault injection): it runs after the
+    temporary file is written and before the rename, i.e. inside the window a crash
+    must not corrupt.
 
     Costs one full serialisation of model + optimizer (a copy to CPU memory for CUDA
     tensors) and one fsync.
@@ -46,6 +51,8 @@ def save_state(directory: str | os.PathLike, state: dict[str, Any],
         torch.save({"format": FORMAT, **state}, f)
         f.flush()
         os.fsync(f.fileno())
+    if before_replace is not None:
+        before_replace(tmp)
     os.replace(tmp, d / STATE_FILE)
     if config is not None:
         (d / "config.json").write_text(json.dumps(config, indent=2))

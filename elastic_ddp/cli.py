@@ -4,6 +4,8 @@
     elastic-ddp prepare pycode data/pycode --block-size 128
     elastic-ddp plan  experiments/configs/digits_cnn.yaml
     elastic-ddp train experiments/configs/digits_cnn.yaml --set scaling.max_workers=4
+    elastic-ddp sweep experiments/configs/digits_cnn.yaml --world-sizes 1,2
+    elastic-ddp submit experiments/configs/digits_cnn.yaml --address http://127.0.0.1:8265 --wait
 
 Exit codes: 0 success, 1 training failed, 2 bad config or data (nothing was started).
 """
@@ -35,6 +37,25 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             sp.add_argument("--no-progress", action="store_true", help="plain log lines only")
             sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    sb = sub.add_parser("submit", help="submit `train CONFIG` as a job to a running Ray cluster")
+    sb.add_argument("config", help="YAML preset inside this repo, e.g. experiments/configs/digits_cnn.yaml")
+    sb.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field (repeatable); validated before submitting")
+    sb.add_argument("--address", default=None,
+                    help="job API (dashboard) URL; default $RAY_API_SERVER_ADDRESS, else "
+                         "http://127.0.0.1:8265")
+    sb.add_argument("--runtime-env", default="cluster/runtime_env.yaml", help="runtime env YAML")
+    sb.add_argument("--submission-id", default=None, help="job id (default: run name + time)")
+    sb.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's status")
+
+    sw = sub.add_parser("sweep", help="run a config at several fixed world sizes; scaling table + plots")
+    sw.add_argument("config", help="YAML preset, e.g. experiments/configs/digits_cnn.yaml")
+    sw.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2,4 (default 1,2)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set train.max_steps=100 (repeatable)")
+    sw.add_argument("--out", default=None, help="also keep the plots and table in this directory")
+    sw.add_argument("--progress", action="store_true", help="show each run's progress line")
     return p
 
 
@@ -45,9 +66,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.cmd == "prepare":
             return _prepare(args)
+        if args.cmd == "submit":
+            return _submit(args)
         cfg = Config.load(args.config, args.overrides)
         if args.cmd == "plan":
             return _plan(cfg)
+        if args.cmd == "sweep":
+            return _sweep(cfg, args)
         return _train(cfg, args)
     except ConfigError as e:
         print(f"elastic-ddp: config error: {e}", file=sys.stderr)
@@ -75,6 +100,20 @@ def _prepare(args) -> int:
     return 0
 
 
+def _submit(args) -> int:
+    import os
+
+    from elastic_ddp.submit import DEFAULT_ADDRESS, SubmitError, submit
+
+    address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or DEFAULT_ADDRESS
+    try:
+        return submit(args.config, args.overrides, address, args.runtime_env, wait=args.wait,
+                      submission_id=args.submission_id)
+    except SubmitError as e:
+        print(f"elastic-ddp: submit failed: {e}", file=sys.stderr)
+        return 1
+
+
 def _plan(cfg) -> int:
     from elastic_ddp.batching import valid_world_sizes
 
@@ -91,6 +130,23 @@ def _plan(cfg) -> int:
         rr = str(rows[0]) if plan.even else f"{min(rows)}-{max(rows)}"
         print(f"{ws:>10} {plan.global_batch_size:>7} {rr:>12} {plan.grad_accum_steps:>10} "
               f"{plan.lr_multiplier:>6.2f}  {'even' if plan.even else 'uneven (loss-weighted, exact mean)'}")
+    return 0
+
+
+def _sweep(cfg, args) -> int:
+    from elastic_ddp.launcher import TrainingError
+    from elastic_ddp.sweep import parse_world_sizes, sweep
+
+    try:
+        result = sweep(cfg, parse_world_sizes(args.world_sizes), progress=args.progress,
+                       out_dir=args.out)
+    except TrainingError as e:
+        print(f"elastic-ddp: {e}", file=sys.stderr)
+        return 1
+    print("\n=== elastic-ddp sweep ===")
+    print(result.table)
+    print(f"parent MLflow run: {result.parent_run_id} at {result.tracking_uri}; "
+          f"artifacts: {', '.join(result.artifacts)}")
     return 0
 
 

@@ -83,7 +83,8 @@ class ModelConfig(_Section):
 class OptimConfig(_Section):
     """Optimizer and LR schedule (warm-up then cosine)."""
 
-    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    name: Literal["adamw", "sgd", "lars", "lamb"] = Field(
+        "adamw", description="Optimizer; lars/lamb (large batches) from pytorch-optimizer.")
     lr: float = Field(1e-3, gt=0, description="Peak LR at batch.global_batch_size.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
@@ -91,6 +92,29 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps to the peak LR.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor / peak LR.")
     grad_clip: float = Field(0.0, ge=0, description="Max global grad norm; 0 disables.")
+
+
+class ParallelConfig(_Section):
+    """How the model is replicated or sharded, and the DDP knobs (see parallel.py)."""
+
+    strategy: Literal["ddp", "zero1", "fsdp"] = Field(
+        "ddp", description="ddp; zero1 = DDP + ZeroRedundancyOptimizer; fsdp = FSDP2 fully_shard.")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size (MiB).")
+    gradient_as_bucket_view: bool = Field(
+        False, description="DDP: grads alias the all-reduce buckets (saves one grad copy).")
+    static_graph: bool = Field(False, description="DDP: the graph is the same every step.")
+    find_unused_parameters: bool = Field(
+        False, description="DDP: tolerate params without grads (costs a graph walk per step).")
+    comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = Field(
+        "none", description="DDP communication hook: compression of the gradient all-reduce.")
+    powersgd_rank: int = Field(2, ge=1, description="PowerSGD matrix approximation rank.")
+    powersgd_start_iter: int = Field(
+        10, ge=1, description="PowerSGD: plain all-reduce for the first N steps.")
+    fsdp_keep_params_between_fwd_bwd: bool = Field(
+        False, description="fsdp: reshard_after_forward=False (ZeRO-2-like).")
+    sync_batchnorm: bool = Field(
+        False, description="Convert BatchNorm to SyncBatchNorm (global-batch statistics).")
+    bf16: bool = Field(False, description="bf16 autocast for forward/backward.")
 
 
 class BatchConfig(_Section):
@@ -155,6 +179,13 @@ class ScalingConfig(_Section):
     collective_timeout_s: int = Field(
         60, ge=5, description="gloo/NCCL collective timeout (a hung peer's upper bound)."
     )
+    resize_monitor_interval_s: float = Field(
+        60.0, ge=0, description=(
+            "Elastic jobs only (min_workers < max_workers): how often a healthy worker "
+            "group checks for room to grow (Ray Train's elastic_resize_monitor_interval_s). "
+            "A grow restarts the group from the last checkpoint, so a short interval "
+            "costs recomputed steps; Ray also sees new nodes only every ~20 s."),
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "ScalingConfig":
@@ -191,6 +222,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     run: RunConfig = Field(default_factory=RunConfig)

@@ -115,12 +115,16 @@ class ControllerEvents(ControllerCallback):
         if self.sink._last_world_size is None:
             return  # the first worker group of this controller, not a resize
         failure = self.sink.open_failure
+        new_size = int(resize_decision.num_workers)
         if failure is not None:
             # Restarting after a failure is executed as a resize: annotate, not a new event.
-            failure["world_size_after"] = int(resize_decision.num_workers)
+            failure["world_size_after"] = new_size
             self.sink.record(None)
-            return
-        self.sink.record({"type": "resize", "t": time.time(),
-                          "world_size_before": self.sink._last_world_size,
-                          "world_size_after": int(resize_decision.num_workers),
-                          "last_checkpoint_step": self.sink._last_step})
+        else:
+            self.sink.record({"type": "resize", "t": time.time(),
+                              "world_size_before": self.sink._last_world_size,
+                              "world_size_after": new_size,
+                              "last_checkpoint_step": self.sink._last_step})
+        # The group being started has this size even if it dies before its first
+        # report (else the next failure would name the size of the group before it).
+        self.sink._last_world_size = new_size

@@ -55,6 +55,10 @@ def _storage_path(cfg: Config) -> str:
     return p if "://" in p else str(Path(p).expanduser().resolve())
 
 
+# Parquet bytes on disk up to which a materialized data set is read on the driver.
+_DRIVER_READ_MAX_BYTES = 64 * 2**20
+
+
 def _init_ray(cfg: Config) -> None:
     import ray
 
@@ -65,14 +69,21 @@ def _init_ray(cfg: Config) -> None:
         return
     # A laptop/CI run: a local cluster with enough logical CPUs for max_workers plus
     # Ray Data's read tasks; the workers set their own torch thread counts.
+    # address="local": without it ray.init auto-attaches to any Ray instance running on
+    # this machine (another user's `ray start`) and then refuses num_cpus.
     need = int(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 2
-    ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
              configure_logging=True, logging_level="WARNING")
 
 
 def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_info,
-                  ledger_dir: Optional[str] = None, t0: Optional[float] = None):
-    """The ``TorchTrainer`` for ``cfg`` (not yet fitted). Exposed for tests and experiments."""
+                  ledger_dir: Optional[str] = None, t0: Optional[float] = None,
+                  fault: Optional[dict] = None):
+    """The ``TorchTrainer`` for ``cfg`` (not yet fitted). Exposed for tests and experiments.
+
+    ``fault`` is a test hook passed to the workers as ``job["fault"]`` (see
+    ``worker._Fault``): a worker kills itself or raises at a chosen step.
+    """
     import ray
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
@@ -90,6 +101,16 @@ def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_i
     ray.data.DataContext.get_current().enable_progress_bars = False
 
     def read(files):
+        # A small data set is read by pyarrow here and handed to Ray Data as one in-memory
+        # table: no read tasks to schedule. A read_parquet execution costs ~8 s of fixed
+        # overhead on an idle 2-core machine (over a minute under load), from_arrow ~0.2 s
+        # for digits. Costs a transient driver copy, hence the size cap; larger sets keep
+        # the parallel reader.
+        if cfg.data.materialize and sum(os.path.getsize(f) for f in files) <= _DRIVER_READ_MAX_BYTES:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            return ray.data.from_arrow(pa.concat_tables([pq.read_table(f, columns=cols) for f in files]))
         ds = ray.data.read_parquet(files, columns=cols)
         return ds.materialize() if cfg.data.materialize else ds
 
@@ -104,6 +125,7 @@ def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_i
             "train_ids": train_info.sample_ids,
             "val_ids": val_info.sample_ids if val_info is not None else None,
             "ledger_dir": ledger_dir,
+            "fault": fault,
         },
     }
     return TorchTrainer(
@@ -115,6 +137,7 @@ def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_i
                                  timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=use_gpu,
+            elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
             resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
         ),
         run_config=RunConfig(
@@ -178,8 +201,14 @@ class _Progress:
                 bar.stop()
 
 
-def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True) -> Summary:
+def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True,
+          fault: Optional[dict] = None, parent_run_id: Optional[str] = None) -> Summary:
     """Run one training job to the end and return its ``Summary``.
+
+    ``ledger_dir``: write the per-step sample-id ledger there (``elastic_ddp.ledger``
+    audits it). ``fault``: TEST HOOK, a worker kills itself or raises at a chosen step
+    (``worker._Fault``); never set it in a real job. ``parent_run_id``: open the MLflow
+    run as a child of this run (``elastic_ddp.sweep``).
 
     Raises:
         DataError: the Parquet data fails the footer scan (nothing was started).
@@ -200,7 +229,8 @@ def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True) 
     t_ray = time.time()
     uri = default_tracking_uri(cfg)
     storage = _storage_path(cfg)
-    run_id, resumed = open_run(cfg, storage, uri)
+    run_id, resumed = open_run(cfg, storage, uri, parent_run_id=parent_run_id)
+    cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
     total_steps = steps_in_epoch(train_info.num_rows, cfg.batch.global_batch_size) * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -208,10 +238,11 @@ def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True) 
           f"at {uri}; {train_info.num_rows} train rows in {len(train_info.files)} files; "
           f"{total_steps} steps", flush=True)
 
-    trainer = build_trainer(cfg, run_id, uri, train_info, val_info, ledger_dir, t0)
-    print(f"elastic-ddp: start-up: scan {t_scan - t0:.1f}s, ray.init {t_ray - t_scan:.1f}s, "
-          f"datasets {time.time() - t_ray:.1f}s", flush=True)
     try:
+        trainer = build_trainer(cfg, run_id, uri, train_info, val_info, ledger_dir, t0,
+                                fault)
+        print(f"elastic-ddp: start-up: scan {t_scan - t0:.1f}s, ray.init {t_ray - t_scan:.1f}s, "
+              f"datasets {time.time() - t_ray:.1f}s", flush=True)
         if progress:
             with _Progress(uri, run_id, total_steps):
                 result = trainer.fit()
@@ -219,10 +250,47 @@ def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True) 
             result = trainer.fit()
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         msg = f"{type(e).__name__}: {e}"
-        _log_events(uri, run_id, t0)
+        _log_events(uri, run_id, t0, ledger_dir)
         finish_run(uri, run_id, ok=False, error=msg)
         raise TrainingError(f"training failed (MLflow run {run_id} marked FAILED): {msg}") from e
-    return _finish(cfg, uri, run_id, result, t0)
+    except BaseException:
+        # Ctrl-C or SystemExit: the run must not stay RUNNING in the store; checkpoints
+        # are kept, so resubmitting the same run.name resumes it.
+        finish_run(uri, run_id, ok=False, error="interrupted", status="KILLED")
+        raise
+    return _finish(cfg, uri, run_id, result, t0, ledger_dir)
+
+
+RAY_RUN_NAME_TAG = "elastic_ddp.ray_run_name"
+
+
+def _with_ray_run_name(cfg: Config, storage: str, uri: str, run_id: str, resumed: bool) -> Config:
+    """The Ray Train run directory for this job. Ray Train restores a run from
+    ``storage_path/name`` by itself, so an unfinished job resumes by reusing the name its
+    MLflow run recorded, while a new job whose name is already taken by a finished one
+    gets ``name-<run id prefix>`` instead of silently "resuming" a completed run with zero
+    steps (running ``make train`` twice trains twice)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    ray_name = client.get_run(run_id).data.tags.get(RAY_RUN_NAME_TAG) if resumed else None
+    if ray_name is None:
+        ray_name = cfg.run.name
+        if not resumed and _run_dir_exists(storage, ray_name):
+            ray_name = f"{cfg.run.name}-{run_id[:8]}"
+        client.set_tag(run_id, RAY_RUN_NAME_TAG, ray_name)
+    if ray_name == cfg.run.name:
+        return cfg
+    out = cfg.model_copy(deep=True)
+    out.run.name = ray_name
+    return out
+
+
+def _run_dir_exists(storage: str, name: str) -> bool:
+    import pyarrow.fs
+
+    fs, base = pyarrow.fs.FileSystem.from_uri(storage if "://" in storage else f"file://{storage}")
+    return fs.get_file_info(f"{base.rstrip('/')}/{name}").type != pyarrow.fs.FileType.NotFound
 
 
 def _check_model_fits_data(cfg: Config, info) -> None:
@@ -247,9 +315,17 @@ def _check_model_fits_data(cfg: Config, info) -> None:
                         f"{info.num_classes_seen - 1} but model.num_classes={m.num_classes}; raise it")
 
 
-def _log_events(uri: str, run_id: str, t0: float) -> list[dict]:
+def _log_events(uri: str, run_id: str, t0: float, ledger_dir: Optional[str] = None) -> list[dict]:
     """Join the controller's events with the workers' first-step times into recovery
-    seconds, and log them (metric ``recovery_s`` per event, ``events/recovery.json``)."""
+    seconds, and log them (metric ``recovery_s`` per event, ``events/recovery.json``).
+
+    Per event: ``recovery_s`` = first step of the next attempt (rank 0's
+    ``attempt_first_step_ts``) - the controller's event time, so it includes worker
+    start, checkpoint load and the data read; ``resumed_at_step``; ``steps_recomputed``
+    = steps the failed attempt had run past its last checkpoint. Without a ledger the
+    last is a lower bound (the driver only sees steps flushed every
+    ``train.log_every_steps``); with ``ledger_dir`` it is exact.
+    """
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.events import EVENTS_ARTIFACT
@@ -262,6 +338,14 @@ def _log_events(uri: str, run_id: str, t0: float) -> list[dict]:
     except Exception:  # noqa: BLE001 - no events artifact: no failure or resize happened
         return []
     starts = sorted((m.value, int(m.step)) for m in client.get_metric_history(run_id, "attempt_first_step_ts"))
+    attempts = []
+    if ledger_dir:
+        from elastic_ddp.ledger import LedgerError, read_attempts, recomputed_after
+
+        try:
+            attempts = read_attempts(ledger_dir)
+        except LedgerError:
+            attempts = []
     steps = sorted((m.timestamp / 1000.0, int(m.value)) for m in client.get_metric_history(run_id, "step"))
     for i, ev in enumerate(events):
         nxt = [(ts, s) for ts, s in starts if ts > ev["t"]]
@@ -270,19 +354,24 @@ def _log_events(uri: str, run_id: str, t0: float) -> list[dict]:
             ev["resumed_at_step"] = nxt[0][1] - 1
             before = [s for ts, s in steps if ts <= ev["t"]]
             ev["steps_recomputed"] = max(0, (max(before) if before else 0) - ev["resumed_at_step"])
+            if attempts:
+                exact = recomputed_after(attempts, ev["t"])
+                if exact is not None and exact["resumed_from"] == ev["resumed_at_step"]:
+                    ev["steps_recomputed"] = exact["steps_recomputed"]
             client.log_metric(run_id, "recovery_s", ev["recovery_s"], step=i)
     client.log_text(run_id, json.dumps(events, indent=1), "events/recovery.json")
     return events
 
 
-def _finish(cfg: Config, uri: str, run_id: str, result, t0: float) -> Summary:
+def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
+            ledger_dir: Optional[str] = None) -> Summary:
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.checkpoint import load_state
 
     client = MlflowClient(uri)
     wall = time.time() - t0
-    events = _log_events(uri, run_id, t0)
+    events = _log_events(uri, run_id, t0, ledger_dir)
     ckpt = result.checkpoint
     state: dict = {}
     ckpt_path = None

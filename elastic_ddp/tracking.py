@@ -44,8 +44,12 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def open_run(cfg: Config, storage_path: str, uri: str) -> tuple[str, bool]:
+def open_run(cfg: Config, storage_path: str, uri: str,
+             parent_run_id: Optional[str] = None) -> tuple[str, bool]:
     """Create the job's MLflow run, or reopen the unfinished one with the same run key.
+
+    ``parent_run_id`` makes a new run a child of that run (MLflow's ``mlflow.parentRunId``
+    tag; the UI nests it), as ``elastic-ddp sweep`` does for each world size.
 
     Returns:
         (run_id, resumed): resumed is True when an earlier submission's run was reopened.
@@ -62,8 +66,10 @@ def open_run(cfg: Config, storage_path: str, uri: str) -> tuple[str, bool]:
         if runs and runs[0].info.status != "FINISHED":
             client.update_run(runs[0].info.run_id, status="RUNNING")
             return runs[0].info.run_id, True
-    run = client.create_run(exp_id, run_name=cfg.run.name,
-                            tags={RUN_KEY_TAG: key, STATE_TAG: "running"})
+    tags = {RUN_KEY_TAG: key, STATE_TAG: "running"}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
     from mlflow.entities import Param
 
     params = [Param(k, str(v)[:6000]) for k, v in cfg.to_flat_dict().items()]
@@ -72,14 +78,15 @@ def open_run(cfg: Config, storage_path: str, uri: str) -> tuple[str, bool]:
     return run.info.run_id, False
 
 
-def finish_run(uri: str, run_id: str, ok: bool, error: str | None = None) -> None:
+def finish_run(uri: str, run_id: str, ok: bool, error: str | None = None,
+               status: str | None = None) -> None:
     """Close the run as FINISHED or FAILED; a failed run keeps the error as a tag so the
     store never holds a run that looks alive but is not."""
     client = _client(uri)
     if error:
         client.set_tag(run_id, "elastic_ddp.error", error[:5000])
     client.set_tag(run_id, STATE_TAG, "finished" if ok else "failed")
-    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+    client.set_terminated(run_id, status=status or ("FINISHED" if ok else "FAILED"))
 
 
 class RankZeroTracker:

@@ -1,0 +1,213 @@
+"""Audit of the sample ledger: which sample ids each committed step trained on, per epoch.
+
+    from elastic_ddp.ledger import audit, format_audit
+    report = audit("runs/ledger", all_ids=train_info.sample_ids, epochs=15)
+    print(format_audit(report))
+
+The worker's ``_Ledger`` (``train(cfg, ledger_dir=...)``) writes one file per
+(attempt, rank), ``attempt-<t_ns>-<hex>-rank<r>.jsonl``: a header line
+``{"header": true, "attempt", "rank", "world_size", "resumed_from", "t"}`` (``attempt`` is
+an id shared by the ranks of one worker group, ``t`` the wall-clock start in seconds),
+then one line per optimizer step ``{"epoch", "step", "ids"}`` with the ids this rank
+computed in that step (``step`` counts from 1 over the whole run).
+
+Commit rule (the checkpoint is the only committed progress): a step of an attempt is
+COMMITTED iff ``step <= resumed_from`` of the NEXT attempt (attempts ordered by start
+time); every step of the last attempt is committed, because a job that finishes ends with
+a checkpoint. Steps past the next attempt's resume point were recomputed after the
+restart; counting them would double-count.
+
+What "loses nothing" means here, per epoch: every id of the data set appears in exactly
+one committed step (``lost == 0`` and ``repeated == 0``), and inside every attempt all
+ranks ran the same number of steps (else a collective would have hung).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+class LedgerError(RuntimeError):
+    """A ledger directory that cannot be audited: missing, empty, or a malformed file."""
+
+
+@dataclass
+class Attempt:
+    """One worker group's run: its ranks' step lines.
+
+    Attributes:
+        key: the shared attempt id (or a file-derived key for ledgers without one).
+        t: start time, seconds since the epoch (min over ranks' headers).
+        world_size: ranks in this attempt.
+        resumed_from: the checkpoint step it resumed from (0: a fresh start).
+        steps: rank -> list of (epoch, step, ids as an int64 array [k]).
+    """
+
+    key: str
+    t: float
+    world_size: int
+    resumed_from: int
+    steps: dict[int, list[tuple[int, int, np.ndarray]]] = field(default_factory=dict)
+
+
+def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
+    """Every attempt in ``ledger_dir``, ordered by start time.
+
+    A torn last line (a rank SIGKILLed mid-write) is skipped: the step it belonged to
+    never reached a checkpoint either.
+
+    Raises:
+        LedgerError: the directory is missing or has no ledger files, or a header is
+            missing or inconsistent across the ranks of one attempt.
+    """
+    d = Path(ledger_dir)
+    files = sorted(d.glob("attempt-*-rank*.jsonl")) if d.is_dir() else []
+    if not files:
+        raise LedgerError(f"{d}: no attempt-*-rank*.jsonl ledger files; run train(cfg, "
+                          "ledger_dir=...) to write them")
+    attempts: dict[str, Attempt] = {}
+    for f in files:
+        lines = f.read_text().splitlines()
+        try:
+            head = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError:
+            head = {}
+        if not head.get("header"):
+            raise LedgerError(f"{f}: first line is not a ledger header")
+        # Ledgers written before the shared attempt id existed: one attempt per file
+        # stem minus the rank (only correct for world_size 1).
+        key = str(head.get("attempt") or f.name.rsplit("-rank", 1)[0])
+        a = attempts.get(key)
+        if a is None:
+            a = attempts[key] = Attempt(key, float(head["t"]), int(head["world_size"]),
+                                        int(head["resumed_from"]))
+        elif (a.world_size, a.resumed_from) != (int(head["world_size"]), int(head["resumed_from"])):
+            raise LedgerError(f"{f}: header disagrees with another rank of attempt {key}: "
+                              f"world_size/resumed_from {head['world_size']}/{head['resumed_from']} "
+                              f"vs {a.world_size}/{a.resumed_from}")
+        a.t = min(a.t, float(head["t"]))
+        rows: list[tuple[int, int, np.ndarray]] = []
+        for ln in lines[1:]:
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue  # torn final line of a killed rank
+            rows.append((int(rec["epoch"]), int(rec["step"]), np.asarray(rec["ids"], np.int64)))
+        a.steps[int(head["rank"])] = rows
+    return sorted(attempts.values(), key=lambda a: a.t)
+
+
+def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable[int],
+          finished: bool = True) -> dict:
+    """Check that each epoch consumed every sample id exactly once in committed steps.
+
+    Args:
+        ledger_dir: the directory given to ``train(..., ledger_dir=...)``.
+        all_ids: the training set's sample ids (shape [N]).
+        epochs: the number of epochs to audit (0..epochs-1) or an iterable of epochs.
+        finished: the job ended with a final checkpoint (its last attempt is committed
+            in full); False treats the last attempt's steps as uncommitted.
+
+    Returns:
+        ``{"attempts": [{"key", "t", "world_size", "resumed_from", "steps_per_rank":
+        {epoch: {rank: n}}, "ranks_equal": bool, "committed_steps", "recomputed_steps"}],
+        "epochs": {epoch: {"committed_ids": sorted list, "steps": n, "repeated": n,
+        "lost": n, "unknown": n}}, "world_sizes": [ws per attempt], "ok": bool}``.
+        ``repeated`` counts id uses beyond the first in committed steps of the epoch,
+        ``lost`` the data set's ids no committed step used, ``unknown`` ids not in the
+        data set; ``ok`` is all three zero for every epoch and equal step counts across
+        ranks in every attempt.
+
+    Raises:
+        LedgerError: see ``read_attempts``.
+    """
+    attempts = read_attempts(ledger_dir)
+    universe = np.unique(np.asarray(list(all_ids), dtype=np.int64))
+    epoch_list = list(range(epochs)) if isinstance(epochs, int) else sorted(epochs)
+    used: dict[int, Counter] = defaultdict(Counter)
+    committed_steps: dict[int, set[int]] = defaultdict(set)
+    out_attempts = []
+    for i, a in enumerate(attempts):
+        last = i == len(attempts) - 1
+        limit: Optional[int]
+        if last:
+            limit = None if finished else a.resumed_from
+        else:
+            limit = attempts[i + 1].resumed_from
+        per_epoch: dict[int, dict[int, int]] = defaultdict(dict)
+        n_committed = n_recomputed = 0
+        for rank, rows in sorted(a.steps.items()):
+            counts: Counter = Counter(ep for ep, _, _ in rows)
+            for ep, n in counts.items():
+                per_epoch[ep][rank] = n
+            for ep, step, ids in rows:
+                if limit is None or step <= limit:
+                    used[ep].update(ids.tolist())
+                    if rank == min(a.steps):
+                        n_committed += 1
+                    committed_steps[ep].add(step)
+                elif rank == min(a.steps):
+                    n_recomputed += 1
+        ranks_equal = (len(a.steps) == a.world_size and all(
+            len(set(r.values())) == 1 and len(r) == a.world_size for r in per_epoch.values()))
+        out_attempts.append({
+            "key": a.key, "t": a.t, "world_size": a.world_size,
+            "resumed_from": a.resumed_from, "ranks_seen": sorted(a.steps),
+            "steps_per_rank": {ep: dict(r) for ep, r in sorted(per_epoch.items())},
+            "ranks_equal": ranks_equal, "committed_steps": n_committed,
+            "recomputed_steps": n_recomputed,
+        })
+    out_epochs = {}
+    for ep in epoch_list:
+        c = used.get(ep, Counter())
+        ids = np.fromiter(c.keys(), dtype=np.int64, count=len(c))
+        out_epochs[ep] = {
+            "committed_ids": sorted(int(x) for x in ids),
+            "steps": len(committed_steps.get(ep, ())),
+            "repeated": int(sum(n - 1 for n in c.values() if n > 1)),
+            "lost": int(len(np.setdiff1d(universe, ids))),
+            "unknown": int(len(np.setdiff1d(ids, universe))),
+        }
+    ok = (all(e["repeated"] == 0 and e["lost"] == 0 and e["unknown"] == 0
+              for e in out_epochs.values())
+          and all(a["ranks_equal"] for a in out_attempts))
+    return {"attempts": out_attempts, "epochs": out_epochs,
+            "world_sizes": [a.world_size for a in attempts], "ok": ok}
+
+
+def format_audit(report: dict) -> str:
+    """A human-readable table of ``audit``'s result."""
+    lines = ["attempt  world_size  resumed_from  committed  recomputed  ranks_equal"]
+    for i, a in enumerate(report["attempts"]):
+        lines.append(f"{i:7d}  {a['world_size']:10d}  {a['resumed_from']:12d}  "
+                     f"{a['committed_steps']:9d}  {a['recomputed_steps']:10d}  {a['ranks_equal']}")
+    lines.append("epoch  steps  ids_used  repeated  lost  unknown")
+    for ep, e in sorted(report["epochs"].items()):
+        lines.append(f"{ep:5d}  {e['steps']:5d}  {len(e['committed_ids']):8d}  "
+                     f"{e['repeated']:8d}  {e['lost']:4d}  {e['unknown']:7d}")
+    lines.append("OK: every sample once per epoch" if report["ok"] else "NOT OK")
+    return "\n".join(lines)
+
+
+def recomputed_after(attempts: list[Attempt], t: float) -> Optional[dict]:
+    """For an event at time ``t`` (seconds since the epoch): the attempt that was running
+    then, the last step it reached, the step the next attempt resumed from, and the
+    steps recomputed (reached - resumed). None when no attempt started before ``t`` or
+    none followed it.
+
+    Exact, unlike the driver's MLflow-based estimate, which only sees steps flushed at
+    ``train.log_every_steps``.
+    """
+    before = [i for i, a in enumerate(attempts) if a.t <= t]
+    if not before or before[-1] + 1 >= len(attempts):
+        return None
+    a, nxt = attempts[before[-1]], attempts[before[-1] + 1]
+    reached = max((s for rows in a.steps.values() for _, s, _ in rows), default=a.resumed_from)
+    return {"reached_step": reached, "resumed_from": nxt.resumed_from,
+            "steps_recomputed": max(0, reached - nxt.resumed_from)}
