@@ -1,0 +1,118 @@
+"""Shared fixtures: real data on disk, a real local Ray cluster, and config dicts that
+point MLflow and Ray storage into the test's tmp directory.
+
+Nothing here mocks anything: the digits and pycode fixtures write real Parquet files
+with ``elastic_ddp.data.prepare``; ``ray_cluster`` starts a real local Ray cluster; the
+config helper puts a real sqlite MLflow store under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+
+def _deep_update(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory) -> Path:
+    """scikit-learn's digits as Parquet (1,437 train / 360 val rows), prepared once per
+    session into a tmp dir: ``<dir>/train``, ``<dir>/val``."""
+    from elastic_ddp.data.prepare import prepare_digits
+
+    out = tmp_path_factory.mktemp("digits")
+    prepare_digits(out, num_files=4, val_fraction=0.2, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pycode_data(tmp_path_factory) -> Path:
+    """A ~200 kB slice of the stdlib byte corpus, 64-byte context (65-byte windows);
+    about 3,000 train windows."""
+    from elastic_ddp.data.prepare import prepare_pycode
+
+    out = tmp_path_factory.mktemp("pycode")
+    prepare_pycode(out, block_size=64, num_files=4, val_fraction=0.05, max_bytes=200_000)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster for one test module (4 logical CPUs: 2 workers plus
+    Ray Data's read tasks), shut down afterwards so no processes outlive the module."""
+    import ray
+
+    if ray.is_initialized():  # a previous module leaked one; start clean
+        ray.shutdown()
+    # address="local": always a fresh cluster of our own; without it ray.init attaches to
+    # any instance that `ray start` left on this machine (and then refuses num_cpus).
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=True,
+             logging_level="WARNING")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def digits_config(data_dir: Path, tmp: Path, extra: Optional[dict] = None) -> dict[str, Any]:
+    """A small digits-cnn job as a plain config dict, with the MLflow store
+    (``sqlite:///<tmp>/mlflow.db``) and Ray storage (``<tmp>/ray_results``) under ``tmp``.
+    ``extra`` is deep-merged on top."""
+    raw: dict[str, Any] = {
+        "seed": 0,
+        "data": {"train_path": str(data_dir / "train"), "val_path": str(data_dir / "val"),
+                 "feature_column": "x", "label_column": "y", "id_column": "sample_id"},
+        "model": {"name": "cnn", "input_shape": [1, 8, 8], "num_classes": 10, "hidden": 32},
+        "optim": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "warmup_steps": 5,
+                  "min_lr_ratio": 0.05},
+        "batch": {"global_batch_size": 64, "micro_batch_size": 32, "policy": "fixed_global"},
+        "train": {"epochs": 4, "checkpoint_every_steps": 50, "log_every_steps": 5,
+                  "keep_checkpoints": 2},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1,
+                    "max_failures": 2, "use_gpu": False},
+        "run": {"name": "test-digits", "experiment_name": "tests",
+                "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+                "storage_path": str(tmp / "ray_results")},
+    }
+    return _deep_update(copy.deepcopy(raw), extra or {})
+
+
+def pycode_config(data_dir: Path, tmp: Path, extra: Optional[dict] = None) -> dict[str, Any]:
+    """A tiny byte-level gpt job on ``pycode_data`` (64-token context), MLflow and Ray
+    storage under ``tmp``."""
+    raw = digits_config(data_dir, tmp)
+    raw["data"]["label_column"] = None
+    raw["model"] = {"name": "gpt", "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 64,
+                    "vocab_size": 256}
+    raw["optim"] = {"name": "adamw", "lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 0.1}
+    raw["batch"] = {"global_batch_size": 32, "micro_batch_size": 16, "policy": "fixed_global"}
+    raw["train"] = {"epochs": 1, "max_steps": 40, "checkpoint_every_steps": 100,
+                    "log_every_steps": 5, "eval_max_batches": 2}
+    raw["run"]["name"] = "test-gpt"
+    return _deep_update(raw, extra or {})
+
+
+def mlflow_runs(tmp: Path, experiment_name: str = "tests") -> list:
+    """Every run in the tmp sqlite store's experiment ([] when the store or the
+    experiment does not exist)."""
+    db = tmp / "mlflow.db"
+    if not db.exists():
+        return []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name(experiment_name)
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id])

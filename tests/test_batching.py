@@ -1,0 +1,287 @@
+"""The world-size arithmetic of ``elastic_ddp.batching``: pure logic, no Ray.
+
+The central claims checked here: a step's rows are split over ranks and micro-batches
+with nothing lost or repeated at any world size; the per-sample loss weight
+``world_size / rows_in_step`` followed by DDP's gradient average gives exactly the
+full-batch mean gradient (the world-size invariance of a step); the sample order and the
+LR are pure functions of (seed, epoch) and samples seen.
+
+hypothesis is not a dependency, so the combinations are an explicit grid plus a seeded
+random sample of (N, G, micro, world_size, policy).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_ddp.batching import (
+    BatchConfigError,
+    check_batch_config,
+    epoch_order,
+    lr_at,
+    plan_for_world_size,
+    rank_micro_slices,
+    split_evenly,
+    step_rows,
+    steps_in_epoch,
+    valid_world_sizes,
+)
+from elastic_ddp.worker import rank_ids_for_epoch
+
+
+def _combos() -> list[tuple[int, int, int, int, str, int]]:
+    """(N rows in epoch, global batch G, micro_batch_size, world_size, policy, min_workers)."""
+    out = [
+        (1437, 64, 32, 2, "fixed_global", 2),     # the digits job
+        (1437, 64, 32, 3, "uneven", 2),
+        (10, 64, 8, 4, "uneven", 1),              # one short step, smaller than G
+        (7, 7, 1, 7, "fixed_global", 1),          # one row per rank, 1-row micro-batches
+        (100, 10, 3, 4, "uneven", 2),
+        (100, 12, 100, 5, "uneven", 1),           # micro larger than any rank's rows
+        (50, 8, 4, 4, "scale_lr", 2),             # G grows to 16 at world size 4
+        (33, 9, 2, 3, "scale_lr", 3),
+        (5, 4, 1, 4, "fixed_global", 1),          # last step has 1 row for 4 ranks
+    ]
+    rng = random.Random(1234)
+    while len(out) < 120:
+        policy = rng.choice(["fixed_global", "uneven", "scale_lr"])
+        min_w = rng.randint(1, 4)
+        ws = rng.randint(min_w, 8)
+        micro = rng.randint(1, 40)
+        if policy == "fixed_global":
+            g = ws * rng.randint(1, 20)
+        elif policy == "uneven":
+            g = rng.randint(ws, 150)
+        else:
+            g = min_w * rng.randint(1, 20)
+        n = rng.randint(1, 400)
+        out.append((n, g, micro, ws, policy, min_w))
+    return out
+
+
+COMBOS = _combos()
+
+
+def _plan(g, micro, ws, policy, min_w, lr_scaling="linear"):
+    return plan_for_world_size(g, micro, ws, policy, min_w, lr_scaling)
+
+
+@pytest.mark.parametrize("n,g,micro,ws,policy,min_w", COMBOS)
+def test_step_slices_partition_rows(n, g, micro, ws, policy, min_w):
+    plan = _plan(g, micro, ws, policy, min_w)
+    assert plan.world_size == ws and len(plan.rows_per_rank) == ws
+    assert sum(plan.rows_per_rank) == plan.global_batch_size
+    if policy != "scale_lr":
+        assert plan.global_batch_size == g
+        assert max(plan.rows_per_rank) - min(plan.rows_per_rank) <= 1
+    else:
+        assert plan.global_batch_size == (g // min_w) * ws
+    assert plan.even == (len(set(plan.rows_per_rank)) == 1)
+
+    cursor, steps = 0, 0
+    while cursor < n:
+        rows = step_rows(n, cursor, plan.global_batch_size)
+        assert 1 <= rows <= plan.global_batch_size
+        covered = np.zeros(rows, dtype=np.int64)
+        for rank in range(ws):
+            slices = rank_micro_slices(rows, plan, rank)
+            assert len(slices) == plan.grad_accum_steps
+            for a, b in slices:
+                assert 0 <= a <= b <= rows
+                assert b - a <= micro
+                covered[a:b] += 1
+            if rows == plan.global_batch_size:
+                assert sum(b - a for a, b in slices) == plan.rows_per_rank[rank]
+        assert np.all(covered == 1), f"rows covered {covered.tolist()}"
+        cursor += rows
+        steps += 1
+    assert cursor == n
+    assert steps == steps_in_epoch(n, plan.global_batch_size) == math.ceil(n / plan.global_batch_size)
+
+
+@pytest.mark.parametrize("n,g,micro,ws,policy,min_w", COMBOS[:40])
+def test_rank_ids_cover_rest_of_epoch(n, g, micro, ws, policy, min_w):
+    """Over all ranks, the ids a rank reads for the rest of the epoch (the streaming
+    path of worker.read_rows) are exactly order[cursor:] for any step-aligned cursor."""
+    plan = _plan(g, micro, ws, policy, min_w)
+    order = epoch_order(np.arange(n, dtype=np.int64) * 3 + 11, seed=5, epoch=1)
+    step_starts = list(range(0, n, plan.global_batch_size))
+    for cursor in {step_starts[0], step_starts[len(step_starts) // 2], step_starts[-1]}:
+        parts = [rank_ids_for_epoch(order, cursor, plan, r) for r in range(ws)]
+        got = np.concatenate(parts)
+        assert len(got) == n - cursor
+        assert np.array_equal(np.sort(got), np.sort(order[cursor:]))
+
+
+def test_split_evenly():
+    assert split_evenly(10, 3) == [4, 3, 3]
+    assert split_evenly(2, 4) == [1, 1, 0, 0]
+    for n in range(0, 40):
+        for p in range(1, 9):
+            s = split_evenly(n, p)
+            assert sum(s) == n and len(s) == p and max(s) - min(s) <= 1
+
+
+def test_steps_in_epoch_and_step_rows():
+    assert steps_in_epoch(1437, 64) == 23
+    assert step_rows(1437, 22 * 64, 64) == 1437 - 22 * 64 == 29
+    assert steps_in_epoch(128, 64) == 2 and step_rows(128, 64, 64) == 64
+    assert steps_in_epoch(1, 64) == 1
+
+
+def test_fixed_global_refuses_indivisible_world_size():
+    with pytest.raises(BatchConfigError, match="world_size=3"):
+        plan_for_world_size(64, 32, 3, "fixed_global")
+    plan = plan_for_world_size(64, 32, 3, "uneven")
+    assert plan.rows_per_rank == (22, 21, 21) and plan.grad_accum_steps == 1
+    with pytest.raises(BatchConfigError, match="batch.global_batch_size"):
+        check_batch_config(64, 32, 2, 4, "fixed_global")
+    check_batch_config(48, 32, 2, 4, "fixed_global")  # lcm(2, 3, 4) = 12 divides 48
+    refused = {ws: why for ws, plan, why in valid_world_sizes(64, 32, 1, 6, "fixed_global") if plan is None}
+    assert sorted(refused) == [3, 5, 6]
+
+
+# ------------------------------------------------------------------------- sample order
+def test_epoch_order_permutation_reproducible_distinct():
+    ids = np.sort(np.random.default_rng(0).choice(10_000, size=1000, replace=False)).astype(np.int64)
+    orders = [epoch_order(ids, seed=7, epoch=e) for e in range(4)]
+    for o in orders:
+        assert o.dtype == np.int64 and len(o) == len(ids)
+        assert np.array_equal(np.sort(o), ids)
+        assert not np.array_equal(o, ids)  # shuffled
+    # Reproducible from (seed, epoch) alone, in a fresh call.
+    assert np.array_equal(epoch_order(ids.copy(), seed=7, epoch=2), orders[2])
+    # Different across epochs and across seeds.
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not np.array_equal(orders[i], orders[j])
+    assert not np.array_equal(epoch_order(ids, seed=8, epoch=0), orders[0])
+
+
+# ----------------------------------------------------- loss weights: exact mean gradient
+def _grads_by_ranks(model, x, y, rows, plan) -> list[torch.Tensor]:
+    """Each "rank"'s accumulated gradient for one step of ``rows`` rows, as the worker
+    computes it: per micro-slice, sum(per-sample loss) * world_size / rows."""
+    weight = plan.world_size / rows
+    out = []
+    for rank in range(plan.world_size):
+        model.zero_grad(set_to_none=False)
+        for a, b in rank_micro_slices(rows, plan, rank):
+            if b == a:
+                continue
+            loss_vec = torch.nn.functional.cross_entropy(model(x[a:b]), y[a:b], reduction="none")
+            (loss_vec.sum() * weight).backward()
+        out.append(torch.cat([p.grad.detach().flatten().clone() for p in model.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("g,micro,ws,policy,min_w,rows", [
+    (64, 32, 2, "fixed_global", 2, 64),
+    (64, 32, 3, "uneven", 2, 64),      # ranks hold 22/21/21 rows
+    (64, 32, 4, "uneven", 2, 29),      # short last step, split 8/7/7/7
+    (64, 5, 5, "uneven", 1, 64),       # 13/13/13/13/12 rows, 3 micro-batches each
+    (10, 4, 7, "uneven", 1, 3),        # short step: 4 ranks get nothing
+    (16, 3, 4, "scale_lr", 2, 32),     # G grows to 32 at world size 4
+])
+def test_weighted_rank_gradients_average_to_full_batch_mean(g, micro, ws, policy, min_w, rows):
+    """World-size invariance: averaging the ranks' gradients (what DDP's all-reduce
+    does, sum / world_size) equals the gradient of the mean loss over the step's rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+    x = torch.randn(rows, 6, dtype=torch.float64)
+    y = torch.randint(0, 4, (rows,))
+    plan = _plan(g, micro, ws, policy, min_w)
+    per_rank = _grads_by_ranks(model, x, y, rows, plan)
+    ddp_avg = torch.stack(per_rank).sum(0) / ws
+
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # mean reduction
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(ddp_avg, full, rtol=1e-12, atol=1e-12)
+
+    # The same rows at world size 1 give the same gradient: the step does not depend
+    # on how many ranks computed it.
+    plan1 = _plan(rows, micro, 1, "uneven", 1)
+    one = _grads_by_ranks(model, x, y, rows, plan1)[0]
+    torch.testing.assert_close(one, full, rtol=1e-12, atol=1e-12)
+
+
+def test_unweighted_mean_per_rank_is_not_exact():
+    """Guard that the test above can fail: with uneven ranks, the naive per-rank mean
+    followed by DDP's average is biased."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).double()
+    x = torch.randn(64, 6, dtype=torch.float64)
+    y = torch.randint(0, 4, (64,))
+    plan = _plan(64, 64, 3, "uneven", 1)
+    grads = []
+    for rank in range(3):
+        model.zero_grad()
+        (a, b), = rank_micro_slices(64, plan, rank)
+        torch.nn.functional.cross_entropy(model(x[a:b]), y[a:b]).backward()
+        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert not torch.allclose(torch.stack(grads).mean(0), full, rtol=1e-9, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- LR
+def test_lr_warmup_then_cosine():
+    peak, total, warm, ratio = 0.01, 10_000, 1_000, 0.1
+    floor = peak * ratio
+    lrs = [lr_at(s, total, peak, warm, ratio) for s in range(0, total + 1, 10)]
+    assert lrs[0] == pytest.approx(peak / warm)
+    # Warm-up: strictly increasing, linear in samples_seen.
+    w = [lr_at(s, total, peak, warm, ratio) for s in range(0, warm)]
+    assert all(b > a for a, b in zip(w, w[1:]))
+    assert lr_at(499, total, peak, warm, ratio) == pytest.approx(peak * 500 / warm)
+    # Peak at the end of warm-up, then non-increasing to the floor.
+    assert lr_at(warm, total, peak, warm, ratio) == pytest.approx(peak)
+    decay = [lr_at(s, total, peak, warm, ratio) for s in range(warm, total + 1, 7)]
+    assert all(b <= a + 1e-15 for a, b in zip(decay, decay[1:]))
+    mid = warm + (total - warm) // 2
+    assert lr_at(mid, total, peak, warm, ratio) == pytest.approx((peak + floor) / 2)
+    assert lr_at(total, total, peak, warm, ratio) == pytest.approx(floor)
+    assert lr_at(total * 3, total, peak, warm, ratio) == pytest.approx(floor)  # clamped
+    assert max(lrs) <= peak * (1 + 1e-12)
+    assert min(decay) >= floor * (1 - 1e-12)  # never below the cosine floor after warm-up
+    # No warm-up: starts at the peak.
+    assert lr_at(0, total, peak, 0, ratio) == pytest.approx(peak)
+
+
+def test_lr_is_a_function_of_samples_seen_not_steps():
+    """Two histories that reach the same samples_seen (64-row steps at one world size vs.
+    a mix of step sizes after a resize) get the same LR."""
+    total, peak = 1437 * 5, 0.01
+    a = 0
+    for _ in range(10):
+        a += 64
+    b = 0
+    for rows in (64, 64, 64, 29, 64, 64, 64, 64, 64, 35, 64):
+        b += rows
+    assert a == 640 and b == 640
+    assert lr_at(a, total, peak, 320, 0.05) == lr_at(b, total, peak, 320, 0.05)
+    assert lr_at(a + 1, total, peak, 320, 0.05) != lr_at(a, total, peak, 320, 0.05)
+
+
+@pytest.mark.parametrize("min_w,ws", [(1, 1), (2, 4), (2, 3), (1, 8)])
+def test_scale_lr_multipliers(min_w, ws):
+    lin = _plan(32 * min_w, 16, ws, "scale_lr", min_w, "linear")
+    sq = _plan(32 * min_w, 16, ws, "scale_lr", min_w, "sqrt")
+    assert lin.rows_per_rank == (32,) * ws and lin.global_batch_size == 32 * ws
+    assert lin.lr_multiplier == pytest.approx(ws / min_w)
+    assert sq.lr_multiplier == pytest.approx(math.sqrt(ws / min_w))
+    assert lin.grad_accum_steps == 2
+    for policy in ("fixed_global", "uneven"):
+        assert _plan(32 * ws, 16, ws, policy, min_w).lr_multiplier == 1.0
+
+
+def test_scale_lr_needs_divisible_min_workers():
+    with pytest.raises(BatchConfigError, match="scaling.min_workers=3"):
+        check_batch_config(64, 16, 3, 4, "scale_lr")
