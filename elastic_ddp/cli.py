@@ -168,8 +168,9 @@ def _train(cfg, args) -> int:
         print("\n=== elastic-ddp summary ===")
         print(f"validation:       {metrics}")
         print(f"steps / epochs:   {summary.steps} / {summary.epochs}")
-        print(f"wall time:        {summary.wall_s:.1f} s   goodput {summary.goodput:.2%}")
-        print(f"world sizes seen: {summary.world_sizes_seen}   restarts: {summary.restarts}")
+        print(f"wall time:        {summary.wall_s:.1f} s   goodput {summary.goodput:.2%} "
+              "(committed training-step time / wall time, start-up and checkpoints included)")
+        print(f"world size per attempt: {summary.world_sizes_seen}   restarts: {summary.restarts}")
         for ev in summary.events:
             print(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
                   f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")

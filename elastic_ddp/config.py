@@ -269,7 +269,10 @@ class Config(_Section):
                 raise ConfigError(f"--set {item!r}: expected key.sub=value, e.g. "
                                   "--set scaling.max_workers=4")
             _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else None)
-        return cls.from_dict(raw, source=str(path) if path else "<dict>")
+        source = str(path) if path else "<dict>"
+        if overrides:
+            source += " with --set " + " ".join(overrides)
+        return cls.from_dict(raw, source=source)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "<dict>") -> "Config":
@@ -326,5 +329,8 @@ def _format_validation_error(e: ValidationError, source: str) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key; remove it or check the spelling (see elastic_ddp/config.py)"
-        lines.append(f"  {loc or '<root>'}: {msg}")
+        elif err["type"] == "literal_error":
+            msg = f"{err.get('input')!r} is not allowed: {msg}"
+        # Cross-field errors have no location; their message names the fields itself.
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
     return "\n".join(lines)

@@ -189,6 +189,8 @@ class _Progress:
                 except Exception:  # noqa: BLE001 - display only
                     continue
                 step = int(m.get("step", 0))
+                if step == 0:
+                    continue  # nothing trained yet: no line of nan and zeros
                 desc = (f"epoch {int(m.get('epoch', 0))} step {step} loss {m.get('train_loss', float('nan')):.4f} "
                         f"{m.get('samples_per_s', 0):.0f} samples/s world_size {int(m.get('world_size', 0))}")
                 if bar is not None:
@@ -370,7 +372,11 @@ def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
     from elastic_ddp.checkpoint import load_state
 
     client = MlflowClient(uri)
-    wall = time.time() - t0
+    # The job's wall time runs from its MLflow run's first start: a resubmitted job's
+    # committed seconds span every submission, and so must the time they are divided by
+    # (the gap between submissions counts as lost time).
+    first_start = client.get_run(run_id).info.start_time / 1000.0
+    wall = time.time() - min(t0, first_start)
     events = _log_events(uri, run_id, t0, ledger_dir)
     ckpt = result.checkpoint
     state: dict = {}
@@ -405,5 +411,8 @@ def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
 def mlflow_ui_command(uri: str, experiment_id: str, run_id: str) -> str:
     """The shell command that opens the MLflow UI on this store, and the run's URL."""
     store = shlex.quote(uri)
-    return (f"mlflow ui --backend-store-uri {store} --host 127.0.0.1 --port 5000  "
+    # The mlflow script beside this interpreter: it is on PATH only in an activated venv.
+    exe = Path(sys.executable).with_name("mlflow")
+    mlflow_cmd = shlex.quote(str(exe)) if exe.exists() else "mlflow"
+    return (f"{mlflow_cmd} ui --backend-store-uri {store} --host 127.0.0.1 --port 5000  "
             f"# then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}")
