@@ -155,3 +155,36 @@ def test_zero_memory_formula():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def _checksum_worker(rank, ws, port, out_dir):
+    from elastic_ddp.worker import _check_params_equal
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        _check_params_equal(model, step=1)  # identical on both ranks: passes
+        if rank == 1:
+            with torch.no_grad():
+                model.bias[0] += 1e-3  # a silent divergence on one rank
+        try:
+            _check_params_equal(model, step=2)
+            outcome = "no error"
+        except RuntimeError as e:
+            outcome = str(e)
+        (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parameter_checksum_catches_a_diverged_rank(tmp_path):
+    """train.checksum_every_steps: equal parameters pass; one rank's drift stops every
+    rank with an error that names the step."""
+    mp.start_processes(_checksum_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        msg = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "differs across ranks at step 2" in msg, msg
