@@ -203,7 +203,10 @@ def test_kill_worker_mid_step(cluster, data, baseline, tmp_path):
     report = _assert_ledger_clean(tmp_path / "ledger", data)
     assert s.restarts == 1 and s.steps == 23 * EPOCHS
     failures = [e for e in s.events if e["type"] == "failure"]
-    assert len(failures) == 1 and failures[0]["decision"] == "RETRY"
+    # The kill is the first failure. Under heavy load Ray Train may also retry a worker
+    # group that timed out while starting (no step ran, so restarts stays 1): allowed,
+    # as long as every decision was a retry.
+    assert failures and all(e["decision"] == "RETRY" for e in failures), failures
     ev = failures[0]
     # The restart resumes from the newest checkpoint the controller had registered when
     # it saw the failure: step 10, or step 5 when the kill (before step 12) beat the
