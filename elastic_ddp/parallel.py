@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from elastic_ddp.checkpoint import unwrap_state_dict
 from elastic_ddp.config import Config
 
 
@@ -94,7 +95,7 @@ class Strategy:
     def full_state(self, rank: int) -> dict[str, Any]:
         """Model (no ``module.`` prefix) and optimizer state as full, unsharded dicts.
         Collective for zero1/fsdp: every rank must call it. Only rank 0's return is used."""
-        return {"model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+        return {"model": unwrap_state_dict(self.module),
                 "optimizer": self.optimizer.state_dict()}
 
     def load_full_state(self, state: dict[str, Any]) -> None:
@@ -145,7 +146,7 @@ class DDPStrategy(Strategy):
             self.model.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
 
     def full_state(self, rank: int) -> dict[str, Any]:
-        out = {"model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()}}
+        out = {"model": unwrap_state_dict(self.module)}
         opt = self.optimizer
         if hasattr(opt, "consolidate_state_dict"):
             # ZeRO-1: gather every rank's optimizer shard on rank 0 (a collective; costs
