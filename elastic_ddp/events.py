@@ -50,11 +50,22 @@ class ElasticEvents(UserCallback):
         self._last_step: int = 0
         self._pending: Dict[int, Exception] = {}
         self.open_failure: Optional[Dict[str, Any]] = None
+        # Failure/resize events since the last report: their world_size_after is only
+        # known once a group reports.
+        self._unsettled: List[Dict[str, Any]] = []
 
     # -- hooks -----------------------------------------------------------------------
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        self.open_failure = None
         self._last_world_size = len(metrics)
+        if self._unsettled:
+            # The world size a decision asked for is not always the one that ran: a
+            # restart may first ask for a node that is gone (its placement group never
+            # schedules) and then retry smaller. The first report settles it.
+            for ev in self._unsettled:
+                ev["world_size_after"] = self._last_world_size
+            self._unsettled = []
+            self.record(None)
+        self.open_failure = None
         steps = [m.get("step", 0) for m in metrics if isinstance(m, dict)]
         if steps:
             self._last_step = int(max(steps))
@@ -89,6 +100,8 @@ class ElasticEvents(UserCallback):
         """Append ``event`` (None: just re-publish) and publish the list to MLflow."""
         if event is not None:
             self.events.append(event)
+            if event["type"] in ("failure", "resize"):
+                self._unsettled.append(event)
             if event["type"] == "failure":
                 self.open_failure = event
         try:
@@ -118,12 +131,15 @@ class ControllerEvents(ControllerCallback):
         new_size = int(resize_decision.num_workers)
         if failure is not None:
             # Restarting after a failure is executed as a resize: annotate, not a new event.
+            # Provisional: the first report after it sets the size that actually ran.
+            failure["world_size_requested"] = new_size
             failure["world_size_after"] = new_size
             self.sink.record(None)
         else:
             self.sink.record({"type": "resize", "t": time.time(),
                               "world_size_before": self.sink._last_world_size,
                               "world_size_after": new_size,
+                              "world_size_requested": new_size,
                               "last_checkpoint_step": self.sink._last_step})
         # The group being started has this size even if it dies before its first
         # report (else the next failure would name the size of the group before it).

@@ -349,18 +349,24 @@ def _log_events(uri: str, run_id: str, t0: float, ledger_dir: Optional[str] = No
         except LedgerError:
             attempts = []
     steps = sorted((m.timestamp / 1000.0, int(m.value)) for m in client.get_metric_history(run_id, "step"))
+    prev_t, prev_attempt = float("-inf"), None
     for i, ev in enumerate(events):
         nxt = [(ts, s) for ts, s in starts if ts > ev["t"]]
         if nxt:
             ev["recovery_s"] = round(nxt[0][0] - ev["t"], 3)
             ev["resumed_at_step"] = nxt[0][1] - 1
-            before = [s for ts, s in steps if ts <= ev["t"]]
+            # Only steps of the attempt this event ended: a group that failed to start
+            # (no steps since the previous event) recomputes nothing.
+            before = [s for ts, s in steps if prev_t < ts <= ev["t"]]
             ev["steps_recomputed"] = max(0, (max(before) if before else 0) - ev["resumed_at_step"])
             if attempts:
                 exact = recomputed_after(attempts, ev["t"])
                 if exact is not None and exact["resumed_from"] == ev["resumed_at_step"]:
-                    ev["steps_recomputed"] = exact["steps_recomputed"]
+                    same = exact["attempt"] == prev_attempt
+                    ev["steps_recomputed"] = 0 if same else exact["steps_recomputed"]
+                    prev_attempt = exact["attempt"]
             client.log_metric(run_id, "recovery_s", ev["recovery_s"], step=i)
+        prev_t = ev["t"]
     client.log_text(run_id, json.dumps(events, indent=1), "events/recovery.json")
     return events
 

@@ -199,7 +199,8 @@ def recomputed_after(attempts: list[Attempt], t: float) -> Optional[dict]:
     """For an event at time ``t`` (seconds since the epoch): the attempt that was running
     then, the last step it reached, the step the next attempt resumed from, and the
     steps recomputed (reached - resumed). None when no attempt started before ``t`` or
-    none followed it.
+    none followed it. ``attempt`` is that attempt's index: two events that find the same
+    one (a restart whose new group failed to start) must count its steps once.
 
     Exact, unlike the driver's MLflow-based estimate, which only sees steps flushed at
     ``train.log_every_steps``.
@@ -209,5 +210,5 @@ def recomputed_after(attempts: list[Attempt], t: float) -> Optional[dict]:
         return None
     a, nxt = attempts[before[-1]], attempts[before[-1] + 1]
     reached = max((s for rows in a.steps.values() for _, s, _ in rows), default=a.resumed_from)
-    return {"reached_step": reached, "resumed_from": nxt.resumed_from,
+    return {"attempt": before[-1], "reached_step": reached, "resumed_from": nxt.resumed_from,
             "steps_recomputed": max(0, reached - nxt.resumed_from)}

@@ -1,0 +1,84 @@
+"""The controller-side event log, driven with Ray Train's own decision objects in the
+order its controller calls them, into a real sqlite MLflow store (no Ray cluster: the
+cluster-level behaviour is covered by tests/test_elastic.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
+
+from elastic_ddp.events import (EVENTS_ARTIFACT, ControllerEvents, DeterministicTrainingError,
+                                ElasticEvents)
+
+
+@pytest.fixture()
+def sink(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("events", artifact_location=str(tmp_path / "artifacts"))
+    run = client.create_run(exp)
+    events = ElasticEvents(uri, run.info.run_id)
+    return events, ControllerEvents(events), client
+
+
+def _report(events: ElasticEvents, world_size: int, step: int) -> None:
+    events.after_report(None, [{"step": step}] * world_size, None)
+
+
+def _resize(ctrl: ControllerEvents, n: int) -> None:
+    ctrl.before_controller_execute_resize_decision(ResizeDecision(num_workers=n, resources_per_worker={"CPU": 1}))
+
+
+def _stored(client, run_id) -> list:
+    with open(client.download_artifacts(run_id, EVENTS_ARTIFACT)) as f:
+        return json.load(f)
+
+
+def test_world_size_after_is_the_size_that_ran_not_the_first_request(sink):
+    """Seen in CI: after a node removal the controller first asked for 2 workers (the
+    node's resources were still listed), that group never started, and the retry ran at
+    1. The failure must say 1."""
+    events, ctrl, client = sink
+    _resize(ctrl, 2)                       # first group of the run: not an event
+    _report(events, 2, 3)
+    events.after_exception(None, {1: RuntimeError("the actor's node was terminated")})
+    ctrl.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    _resize(ctrl, 2)                       # provisional request
+    events.after_exception(None, {0: RuntimeError("WorkerGroupStartupTimeoutError")})
+    ctrl.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    _resize(ctrl, 1)
+    _report(events, 1, 4)
+    _resize(ctrl, 2)                       # elastic grow while healthy
+    _report(events, 2, 10)
+    kinds = [(e["type"], e["world_size_before"], e["world_size_after"]) for e in events.events]
+    assert kinds == [("failure", 2, 1), ("failure", 2, 1), ("resize", 1, 2)], kinds
+    assert events.events[0]["world_size_requested"] == 2
+    assert events.events[0]["last_checkpoint_step"] == 3
+    # What the driver reads back from MLflow is the settled list.
+    assert _stored(client, events.run_id) == json.loads(json.dumps(events.events))
+
+
+def test_same_step_error_twice_stops_with_the_original_text(sink):
+    events, ctrl, _ = sink
+    _resize(ctrl, 2)
+    _report(events, 2, 1)
+    err = "StepError: step 7 (epoch 0, rank 1): ValueError: bad pixel"
+    events.after_exception(None, {1: RuntimeError(err)})
+    ctrl.before_controller_execute_failure_decision(FailureDecision.RETRY)  # first time: retry
+    _resize(ctrl, 2)
+    events.after_exception(None, {1: RuntimeError(err)})
+    with pytest.raises(DeterministicTrainingError, match="step 7: ValueError: bad pixel"):
+        ctrl.before_controller_execute_failure_decision(FailureDecision.RETRY)
+
+
+def test_data_error_is_not_retried(sink):
+    events, ctrl, _ = sink
+    _resize(ctrl, 1)
+    events.after_exception(None, {0: RuntimeError("DataError: /d/part-0.parquet: column 'x' missing")})
+    with pytest.raises(DeterministicTrainingError, match="data/config error"):
+        ctrl.before_controller_execute_failure_decision(FailureDecision.RETRY)
