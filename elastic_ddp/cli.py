@@ -153,11 +153,11 @@ def _sweep(cfg, args) -> int:
 def _train(cfg, args) -> int:
     from dataclasses import asdict
 
-    from elastic_ddp.launcher import TrainingError, train
+    from elastic_ddp.launcher import TrainingError, process_start_time, train
 
     print("elastic-ddp config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=1), flush=True)
     try:
-        summary = train(cfg, progress=not args.no_progress)
+        summary = train(cfg, progress=not args.no_progress, command_start=process_start_time())
     except TrainingError as e:
         print(f"elastic-ddp: {e}", file=sys.stderr)
         return 1
@@ -171,6 +171,9 @@ def _train(cfg, args) -> int:
         print(f"wall time:        {summary.wall_s:.1f} s   goodput {summary.goodput:.2%} "
               "(committed training-step time / wall time, start-up and checkpoints included)")
         print(f"world size per attempt: {summary.world_sizes_seen}   restarts: {summary.restarts}")
+        if summary.startup:
+            print(f"command to first step: {summary.startup['total_s']:.1f} s (" + ", ".join(
+                f"{k.removesuffix('_s')} {v:.1f}" for k, v in summary.startup.items() if k != "total_s") + ")")
         for ev in summary.events:
             print(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
                   f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")

@@ -62,7 +62,8 @@ class ModelConfig(_Section):
         description="Shape of one sample's features (C, H, W) for cnn; its product for mlp.",
     )
     hidden: int = Field(128, ge=1, description="mlp hidden width / cnn channel width.")
-    batch_norm: bool = Field(False, description="cnn: BatchNorm after each conv.")
+    batch_norm: bool = Field(
+        False, description="cnn: BatchNorm2d after each conv; mlp: BatchNorm1d after each hidden layer.")
     vocab_size: int = Field(256, ge=2, description="gpt: byte-level vocabulary.")
     block_size: int = Field(128, ge=2, description="gpt: context length in tokens.")
     n_layer: int = Field(2, ge=1, description="gpt: transformer blocks.")

@@ -46,6 +46,7 @@ class Summary:
     restarts: int
     goodput: float
     events: list[dict] = field(default_factory=list)
+    startup: dict[str, float] = field(default_factory=dict)
     checkpoint_path: Optional[str] = None
     mlflow_ui_command: str = ""
 
@@ -76,13 +77,70 @@ def _init_ray(cfg: Config) -> None:
              configure_logging=True, logging_level="WARNING")
 
 
+class _Background:
+    """``fn(*args)`` in a daemon thread; ``result()`` joins it and returns its value or
+    re-raises its exception in the caller's thread."""
+
+    def __init__(self, fn, *args):
+        self._out: list = []
+        self._err: list = []
+
+        def run():
+            try:
+                self._out.append(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to result()
+                self._err.append(e)
+
+        self._thread = threading.Thread(target=run, name="driver-setup", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._err:
+            raise self._err[0]
+        return self._out[0]
+
+
+def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[str],
+                  train_info, val_info):
+    """What the driver needs besides Ray: the job's MLflow run (opened or reopened), the
+    Ray run name, torch and Ray Train imported, and small data sets read into memory.
+    Returns (run_id, resumed, cfg, tables)."""
+    run_id, resumed = open_run(cfg, storage, uri, parent_run_id=parent_run_id)
+    cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
+    import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
+
+    tables = {"train": _read_small(cfg, train_info.files)}
+    if val_info is not None:
+        tables["val"] = _read_small(cfg, val_info.files)
+    return run_id, resumed, cfg, tables
+
+
+def _read_small(cfg: Config, files: list[str]):
+    """A small materialized data set as one pyarrow table (None: leave it to Ray Data).
+
+    Read here and handed to Ray Data with ``from_arrow``: no read tasks to schedule. A
+    ``read_parquet`` execution costs ~8 s of fixed overhead on an idle 2-core machine
+    (over a minute under load), ``from_arrow`` ~0.2 s for digits. Costs a transient
+    driver copy, hence the size cap; larger sets keep the parallel reader."""
+    if not cfg.data.materialize or sum(os.path.getsize(f) for f in files) > _DRIVER_READ_MAX_BYTES:
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = cfg.data
+    cols = [d.id_column, d.feature_column] + ([d.label_column] if d.label_column else [])
+    return pa.concat_tables([pq.read_table(f, columns=cols) for f in files])
+
+
 def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_info,
                   ledger_dir: Optional[str] = None, t0: Optional[float] = None,
-                  fault: Optional[dict] = None):
+                  fault: Optional[dict] = None, tables: Optional[dict] = None):
     """The ``TorchTrainer`` for ``cfg`` (not yet fitted). Exposed for tests and experiments.
 
     ``fault`` is a test hook passed to the workers as ``job["fault"]`` (see
-    ``worker._Fault``): a worker kills itself or raises at a chosen step.
+    ``worker._Fault``): a worker kills itself or raises at a chosen step. ``tables``:
+    data sets already read by ``_read_small`` ({"train": table or None, "val": ...}).
     """
     import ray
     import ray.data
@@ -100,23 +158,18 @@ def build_trainer(cfg: Config, run_id: str, tracking_uri: str, train_info, val_i
     cols = [cfg.data.id_column, cfg.data.feature_column] + ([cfg.data.label_column] if cfg.data.label_column else [])
     ray.data.DataContext.get_current().enable_progress_bars = False
 
-    def read(files):
-        # A small data set is read by pyarrow here and handed to Ray Data as one in-memory
-        # table: no read tasks to schedule. A read_parquet execution costs ~8 s of fixed
-        # overhead on an idle 2-core machine (over a minute under load), from_arrow ~0.2 s
-        # for digits. Costs a transient driver copy, hence the size cap; larger sets keep
-        # the parallel reader.
-        if cfg.data.materialize and sum(os.path.getsize(f) for f in files) <= _DRIVER_READ_MAX_BYTES:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+    tables = tables or {}
 
-            return ray.data.from_arrow(pa.concat_tables([pq.read_table(f, columns=cols) for f in files]))
+    def read(name: str, files):
+        table = tables[name] if name in tables else _read_small(cfg, files)
+        if table is not None:
+            return ray.data.from_arrow(table)
         ds = ray.data.read_parquet(files, columns=cols)
         return ds.materialize() if cfg.data.materialize else ds
 
-    datasets = {"train": read(train_info.files)}
+    datasets = {"train": read("train", train_info.files)}
     if val_info is not None:
-        datasets["val"] = read(val_info.files)
+        datasets["val"] = read("val", val_info.files)
     sink = ElasticEvents(tracking_uri, run_id)
     loop_config = {
         "config": cfg.model_dump(mode="json"),
@@ -204,13 +257,17 @@ class _Progress:
 
 
 def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True,
-          fault: Optional[dict] = None, parent_run_id: Optional[str] = None) -> Summary:
+          fault: Optional[dict] = None, parent_run_id: Optional[str] = None,
+          command_start: Optional[float] = None) -> Summary:
     """Run one training job to the end and return its ``Summary``.
 
     ``ledger_dir``: write the per-step sample-id ledger there (``elastic_ddp.ledger``
     audits it). ``fault``: TEST HOOK, a worker kills itself or raises at a chosen step
     (``worker._Fault``); never set it in a real job. ``parent_run_id``: open the MLflow
-    run as a child of this run (``elastic_ddp.sweep``).
+    run as a child of this run (``elastic_ddp.sweep``). ``command_start``: when the
+    command started (seconds since the epoch; the CLI passes its process start), so the
+    command-to-first-step profile (``Summary.startup``) includes interpreter start and
+    imports; default: from this call.
 
     Raises:
         DataError: the Parquet data fails the footer scan (nothing was started).
@@ -221,18 +278,25 @@ def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True,
     from elastic_ddp.data.scan import scan_parquet
 
     t0 = time.time()
+    marks = {"process_start": command_start or t0, "train_called": t0}
     d = cfg.data
     train_info = scan_parquet(d.train_path, d.feature_column, d.id_column, d.label_column)
     val_info = scan_parquet(d.val_path, d.feature_column, d.id_column, d.label_column) if d.val_path else None
     _check_model_fits_data(cfg, train_info)
 
     t_scan = time.time()
-    _init_ray(cfg)
-    t_ray = time.time()
     uri = default_tracking_uri(cfg)
     storage = _storage_path(cfg)
-    run_id, resumed = open_run(cfg, storage, uri, parent_run_id=parent_run_id)
-    cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
+    # ray.init mostly waits for its GCS and raylet processes to come up (~6 s here); the
+    # driver's own set-up runs beside it in a thread: opening the MLflow run (importing
+    # mlflow, the sqlite store), importing ray.train.torch (torch itself, ~2.5 s) and the
+    # pyarrow read of small data sets. Measured on the 2-core dev box: ~5 s less
+    # command-to-first-step. Errors in the thread are re-raised here, after ray.init.
+    side = _Background(_driver_setup, cfg, storage, uri, parent_run_id, train_info, val_info)
+    _init_ray(cfg)
+    t_ray = time.time()
+    run_id, resumed, cfg, tables = side.result()
+    marks.update(scanned=t_scan, ray_ready=t_ray)
     total_steps = steps_in_epoch(train_info.num_rows, cfg.batch.global_batch_size) * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -242,9 +306,8 @@ def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True,
 
     try:
         trainer = build_trainer(cfg, run_id, uri, train_info, val_info, ledger_dir, t0,
-                                fault)
-        print(f"elastic-ddp: start-up: scan {t_scan - t0:.1f}s, ray.init {t_ray - t_scan:.1f}s, "
-              f"datasets {time.time() - t_ray:.1f}s", flush=True)
+                                fault, tables=tables)
+        marks["fit_called"] = time.time()
         if progress:
             with _Progress(uri, run_id, total_steps):
                 result = trainer.fit()
@@ -260,7 +323,7 @@ def train(cfg: Config, ledger_dir: Optional[str] = None, progress: bool = True,
         # are kept, so resubmitting the same run.name resumes it.
         finish_run(uri, run_id, ok=False, error="interrupted", status="KILLED")
         raise
-    return _finish(cfg, uri, run_id, result, t0, ledger_dir)
+    return _finish(cfg, uri, run_id, result, t0, ledger_dir, marks)
 
 
 RAY_RUN_NAME_TAG = "elastic_ddp.ray_run_name"
@@ -372,7 +435,7 @@ def _log_events(uri: str, run_id: str, t0: float, ledger_dir: Optional[str] = No
 
 
 def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
-            ledger_dir: Optional[str] = None) -> Summary:
+            ledger_dir: Optional[str] = None, marks: Optional[dict] = None) -> Summary:
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.checkpoint import load_state
@@ -384,6 +447,12 @@ def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
     first_start = client.get_run(run_id).info.start_time / 1000.0
     wall = time.time() - min(t0, first_start)
     events = _log_events(uri, run_id, t0, ledger_dir)
+    startup = startup_breakdown(uri, run_id, marks or {})
+    if startup:
+        for k, v in startup.items():
+            client.log_metric(run_id, f"startup/{k}", v)
+        print("elastic-ddp: command to first step " + ", ".join(
+            f"{k.removesuffix('_s')} {v:.1f}s" for k, v in startup.items()), flush=True)
     ckpt = result.checkpoint
     state: dict = {}
     ckpt_path = None
@@ -406,12 +475,82 @@ def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
         steps=int(state.get("step", 0)), epochs=int(state.get("epoch", 0)), wall_s=wall,
         world_sizes_seen=counters.get("world_sizes_seen", []),
         restarts=int(counters.get("restarts", 0)), goodput=goodput, events=events,
-        checkpoint_path=ckpt_path,
+        startup=startup, checkpoint_path=ckpt_path,
         mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
     )
     client.log_text(run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     finish_run(uri, run_id, ok=True)
     return summary
+
+
+def process_start_time() -> Optional[float]:
+    """This process's start (seconds since the epoch) from /proc (Linux), so that the
+    interpreter's start and the imports count in command-to-first-step; None elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                     if ln.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+# (phase, from mark, to mark): consecutive, so the phases add up to the total.
+_STARTUP_PHASES = (
+    ("imports_s", "process_start", "train_called"),      # interpreter + torch/ray/mlflow
+    ("scan_s", "train_called", "scanned"),               # Parquet footers
+    ("ray_init_s", "scanned", "ray_ready"),             # MLflow run, imports, reads beside it
+    ("driver_setup_s", "ray_ready", "fit_called"),      # the rest of those + trainer build
+    ("controller_s", "fit_called", "controller_started"),  # controller actor + imports
+    ("scheduling_s", "controller_started", "worker_group_starting"),
+    ("worker_group_s", "worker_group_starting", "worker_group_started"),  # actors + process group
+    ("train_fn_launch_s", "worker_group_started", "attempt_enter_ts"),
+    ("model_data_s", "attempt_enter_ts", "attempt_ready_ts"),  # model, checkpoint, rows
+    ("first_step_s", "attempt_ready_ts", "attempt_first_step_ts"),
+)
+
+
+def startup_breakdown(uri: str, run_id: str, marks: dict) -> dict[str, float]:
+    """Seconds from this process's start to the end of the first optimizer step of the
+    first attempt this process launched, split into ``_STARTUP_PHASES`` (a profile of
+    command-to-first-step: driver marks, the controller's ``events/timeline.json``, rank
+    0's ``attempt_*_ts`` metrics). Phases whose marks are missing are left out; ``total_s``
+    is always the whole span. {} when no step ran."""
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.events import TIMELINE_ARTIFACT
+
+    if "fit_called" not in marks:
+        return {}
+    client = MlflowClient(uri)
+    t = dict(marks)
+    fit = marks["fit_called"]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            timeline = json.loads(Path(client.download_artifacts(run_id, TIMELINE_ARTIFACT, tmp)).read_text())
+    except Exception:  # noqa: BLE001 - an older run or a failed upload: driver marks only
+        timeline = []
+    firsts = sorted((m.value, int(m.step)) for m in client.get_metric_history(run_id, "attempt_first_step_ts")
+                    if m.value >= fit)
+    if not firsts:
+        return {}
+    # The first attempt of this launch that reached a step; an attempt that died before
+    # its first step only lengthens the phases (the marks taken are the ones it used).
+    t["attempt_first_step_ts"], k = firsts[0]
+    for key in ("attempt_ready_ts", "attempt_enter_ts"):
+        vals = [m.value for m in client.get_metric_history(run_id, key)
+                if int(m.step) == k and fit <= m.value <= t["attempt_first_step_ts"]]
+        if vals:
+            t[key] = max(vals)
+    until = t.get("attempt_enter_ts", t["attempt_first_step_ts"])
+    for what in ("worker_group_started", "worker_group_starting", "controller_started"):
+        ts = [m["t"] for m in timeline if m["what"] == what and fit <= m["t"] <= until]
+        if ts:
+            t[what] = max(ts) if what != "controller_started" else min(ts)
+            until = t[what]
+    out = {name: round(t[b] - t[a], 3) for name, a, b in _STARTUP_PHASES if a in t and b in t}
+    out["total_s"] = round(t["attempt_first_step_ts"] - t["process_start"], 3)
+    return out
 
 
 def mlflow_ui_command(uri: str, experiment_id: str, run_id: str) -> str:

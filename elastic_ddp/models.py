@@ -22,9 +22,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d_in = math.prod(cfg.input_shape)
+        # BatchNorm1d normalises over the batch alone: a 1-row batch cannot be normalised
+        # in training mode (the worker's _batchnorm_guard handles that).
+        norm = (lambda: nn.BatchNorm1d(cfg.hidden)) if cfg.batch_norm else nn.Identity
         self.net = nn.Sequential(
-            nn.Linear(d_in, cfg.hidden), nn.ReLU(), nn.Dropout(cfg.dropout),
-            nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(),
+            nn.Linear(d_in, cfg.hidden), norm(), nn.ReLU(), nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.hidden, cfg.hidden), norm(), nn.ReLU(),
             nn.Linear(cfg.hidden, cfg.num_classes),
         )
 

@@ -165,6 +165,7 @@ def train_func(loop_config: dict) -> None:
     """Ray Train entry point; see the module docstring. ``loop_config`` holds ``config``
     (the validated Config as a dict) and ``job`` (run id, tracking URI, sorted train/val
     sample ids, job start time, ledger dir)."""
+    t_enter = time.time()
     import ray.train
     import ray.train.torch
 
@@ -179,13 +180,16 @@ def train_func(loop_config: dict) -> None:
 
     plan = plan_for_world_size(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, ws,
                                cfg.batch.policy, cfg.scaling.min_workers, cfg.batch.lr_scaling)
+    t_marks = {"enter": t_enter, "imports": time.time()}
     tracker = RankZeroTracker(job["tracking_uri"], job["run_id"], enabled=rank == 0)
+    t_marks["mlflow"] = time.time()
 
     # Same seed on every rank: identical initial weights without a broadcast (DDP also
     # broadcasts rank 0's at wrap time; FSDP shards what each rank built).
     torch.manual_seed(cfg.seed)
     strategy = build_strategy(cfg, build_model(cfg.model).to(device), device, ws)
     model, opt, ddp_model = strategy.module, strategy.optimizer, strategy.model
+    t_marks["model"] = time.time()
 
     train_ids = np.asarray(job["train_ids"], dtype=np.int64)
     val_ids = np.asarray(job["val_ids"], dtype=np.int64) if job.get("val_ids") is not None else None
@@ -222,6 +226,7 @@ def train_func(loop_config: dict) -> None:
         resumed_from = step
     counters.world_sizes_seen.append(ws)
     counters.uncommitted_train_s = 0.0
+    t_marks["checkpoint"] = time.time()
 
     ledger = _Ledger(job.get("ledger_dir"), rank, resumed_from, ws)
     fault = _Fault(job.get("fault"), rank)
@@ -242,9 +247,16 @@ def train_func(loop_config: dict) -> None:
     log.info(f"read {len(train_ids) if cached_rows is not None else 0} train rows in "
              f"{time.perf_counter() - t_read:.2f}s")
     val_rows = read_rows("val", val_ids[rank::ws], cfg) if val_ids is not None and len(val_ids[rank::ws]) else None
+    t_marks["rows"] = time.time()
+    names = list(t_marks)
+    log.info(f"ready in {t_marks['rows'] - t_enter:.1f}s: " + ", ".join(
+        f"{b} {t_marks[b] - t_marks[a]:.1f}s" for a, b in zip(names, names[1:])))
     win = _Window()
     max_steps = cfg.train.max_steps
     done = max_steps is not None and step >= max_steps
+    # Where this (re)start's time went before its first step, joined by the driver with
+    # the controller's marks (launcher.startup_breakdown); keyed by the first step.
+    tracker.log_metrics({"attempt_enter_ts": t_enter, "attempt_ready_ts": time.time()}, step + 1)
     first_step_of_attempt = True
 
     while epoch < cfg.train.epochs and not done:

@@ -95,7 +95,13 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
         vals = [m.value for m in client.get_metric_history(rid, key) if m.step > warmup]
         return statistics.median(vals) if vals else float("nan")
 
-    startup = re.search(r"start-up: (.*)", out.stdout)
+    # The job's own command-to-first-step profile (launcher.startup_breakdown), logged as
+    # startup/<phase>_s metrics: which processes and imports the time goes to.
+    from elastic_ddp.launcher import _STARTUP_PHASES
+
+    got = {k.split("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("startup/")}
+    startup = {name: got[name] for name, _, _ in _STARTUP_PHASES if name in got}
+    startup["total_s"] = got.get("total_s", float("nan"))
     read = re.search(r"read (\d+) train rows in ([\d.]+)s", out.stdout)
     return {
         "world_size": ws, "run_id": rid,
@@ -105,7 +111,7 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
         "data_wait_frac": med("data_wait_frac"),
         "allreduce_exposed_s": med("allreduce_exposed_s_mean"),
         "step_time_s": med("step_time_s_mean"),
-        "startup": startup.group(1) if startup else "",
+        "startup": startup,
         "worker_read_s": float(read.group(2)) if read else float("nan"),
         "total_s": total,
     }
@@ -153,7 +159,9 @@ def main() -> int:
               f"{b['cmd_to_first_step_s']:>15.1f} s | {e['cmd_to_first_step_s']:>14.1f} s | "
               f"{b['data_wait_frac']:>18.2%} | {e['data_wait_frac']:>17.2%}")
     for ws, b, e in results:
-        print(f"N={ws} elastic start-up: {e['startup']}; worker read {e['worker_read_s']:.2f}s; "
+        phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in e["startup"].items() if k != "total_s")
+        print(f"N={ws} elastic cmd->1st step {e['startup'].get('total_s', float('nan')):.1f} s: {phases}")
+        print(f"N={ws} elastic worker read {e['worker_read_s']:.2f}s; "
               f"exposed all-reduce {e['allreduce_exposed_s'] * 1e3:.2f} ms/step of "
               f"{e['step_time_s'] * 1e3:.1f} ms")
     if args.json_out:

@@ -37,7 +37,8 @@ import torch.distributed as dist  # noqa: E402
 from elastic_ddp.batching import epoch_order, lr_at, plan_for_world_size, rank_micro_slices, step_rows  # noqa: E402
 from elastic_ddp.config import Config  # noqa: E402
 from elastic_ddp.models import build_model, per_sample_loss  # noqa: E402
-from elastic_ddp.worker import LocalRows, _build_optimizer, _to_tensor  # noqa: E402
+from elastic_ddp.parallel import build_optimizer  # noqa: E402
+from elastic_ddp.worker import LocalRows, _to_tensor  # noqa: E402
 
 
 def _proc_start() -> float:
@@ -89,7 +90,7 @@ def main() -> None:
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
-    opt = _build_optimizer(cfg, model)
+    opt = build_optimizer(cfg, model.parameters())
     ddp = torch.nn.parallel.DistributedDataParallel(model) if ws > 1 else model
 
     n = len(rows.ids)

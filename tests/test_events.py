@@ -59,7 +59,9 @@ def test_world_size_after_is_the_size_that_ran_not_the_first_request(sink):
     assert kinds == [("failure", 2, 1), ("failure", 2, 1), ("resize", 1, 2)], kinds
     assert events.events[0]["world_size_requested"] == 2
     assert events.events[0]["last_checkpoint_step"] == 3
-    # What the driver reads back from MLflow is the settled list.
+    # What the driver reads back from MLflow is the settled list (written in the
+    # background; the controller flushes before it finishes).
+    events.flush()
     assert _stored(client, events.run_id) == json.loads(json.dumps(events.events))
 
 

@@ -200,6 +200,24 @@ def test_gpt_bytes_loss_drops(ray_cluster, pycode_data, tmp_path):
     assert summary.metrics["val_bpb"] == pytest.approx(summary.metrics["val_loss"] / math.log(2))
 
 
+def test_batchnorm_mlp_with_one_row_per_rank_trains(ray_cluster, digits_data, tmp_path):
+    """A global batch of 3 over 2 workers (policy ``uneven``): rank 1 holds one row every
+    step. BatchNorm1d raises on a 1-row batch in training mode; the worker's guard (the
+    same decision on every rank) runs those micro-steps on running statistics, so the
+    job trains to the end on the real Ray path instead of crashing or hanging."""
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
+        "model": {"name": "mlp", "batch_norm": True},
+        "batch": {"global_batch_size": 3, "micro_batch_size": 2, "policy": "uneven"},
+        "train": {"epochs": 1, "max_steps": 12, "log_every_steps": 4, "eval_max_batches": 2},
+        "scaling": {"max_failures": 0},
+    }))
+    summary = train(cfg, progress=False)
+    assert summary.steps == 12 and summary.restarts == 0
+    loss = _history(_client(tmp_path), summary.run_id, "train_loss")
+    assert loss and all(math.isfinite(v) for _, v in loss), loss
+    assert math.isfinite(summary.metrics["val_loss"])
+
+
 # ------------------------------------------------------------------------------- (c)
 def _alive_train_workers() -> list[int]:
     """PIDs of this cluster's live Ray Train worker actors, from the GCS actor table
