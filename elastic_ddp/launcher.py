@@ -448,11 +448,8 @@ def _finish(cfg: Config, uri: str, run_id: str, result, t0: float,
     wall = time.time() - min(t0, first_start)
     events = _log_events(uri, run_id, t0, ledger_dir)
     startup = startup_breakdown(uri, run_id, marks or {})
-    if startup:
-        for k, v in startup.items():
-            client.log_metric(run_id, f"startup/{k}", v)
-        print("elastic-ddp: command to first step " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.1f}s" for k, v in startup.items()), flush=True)
+    for k, v in startup.items():  # the CLI's summary prints them
+        client.log_metric(run_id, f"startup/{k}", v)
     ckpt = result.checkpoint
     state: dict = {}
     ckpt_path = None

@@ -128,6 +128,15 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     assert summary.steps == steps_total and summary.epochs == 3
     assert summary.restarts == 0 and summary.world_sizes_seen == [2]
     assert summary.metrics["val_acc"] >= MIN_VAL_ACC, summary.metrics
+    # The command-to-first-step profile: every phase found its marks (driver, controller
+    # timeline, rank 0), none is negative, and consecutive phases add up to the total.
+    st = summary.startup
+    phases = {k: v for k, v in st.items() if k != "total_s"}
+    assert {"ray_init_s", "controller_s", "worker_group_s", "model_data_s", "first_step_s"} <= set(phases), st
+    assert all(v >= 0 for v in phases.values()), st
+    assert abs(sum(phases.values()) - st["total_s"]) < 0.05, st
+    logged = _client(tmp_path).get_run(summary.run_id).data.metrics
+    assert logged["startup/total_s"] == pytest.approx(st["total_s"]), logged
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1, [r.info.run_id for r in runs]
