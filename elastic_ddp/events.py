@@ -51,7 +51,6 @@ class ElasticEvents(UserCallback):
         self._last_world_size: Optional[int] = None
         self._last_step: int = 0
         self._pending: Dict[int, Exception] = {}
-        self.open_failure: Optional[Dict[str, Any]] = None
         # Failure/resize events since the last report: their world_size_after is only
         # known once a group reports.
         self._unsettled: List[Dict[str, Any]] = []
@@ -70,7 +69,6 @@ class ElasticEvents(UserCallback):
                 ev["world_size_after"] = self._last_world_size
             self._unsettled = []
             self.record(None)
-        self.open_failure = None
         steps = [m.get("step", 0) for m in metrics if isinstance(m, dict)]
         if steps:
             self._last_step = int(max(steps))
@@ -102,6 +100,11 @@ class ElasticEvents(UserCallback):
                 f"the same error at the same step on two attempts, not retried: {cause}")
         self._last_signature = signature
 
+    @property
+    def open_failure(self) -> Optional[Dict[str, Any]]:
+        """The latest failure no group has reported after (None: all settled)."""
+        return next((e for e in reversed(self._unsettled) if e["type"] == "failure"), None)
+
     # -- shared ----------------------------------------------------------------------
     def mark(self, what: str, **extra: Any) -> None:
         """Append a timeline mark (published as ``events/timeline.json``)."""
@@ -114,8 +117,6 @@ class ElasticEvents(UserCallback):
             self.events.append(event)
             if event["type"] in ("failure", "resize"):
                 self._unsettled.append(event)
-            if event["type"] == "failure":
-                self.open_failure = event
         self._publish()
 
     def flush(self, timeout_s: float = 30.0) -> None:

@@ -47,16 +47,21 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+def _timed_run(cmd: list[str], what: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``cmd`` from the repo root; returns its output and the launch time (epoch s).
+    Raises RuntimeError with the output's tail when it fails."""
+    t_cmd = time.time()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out, t_cmd
+
+
 def run_baseline(config: str, ws: int, steps: int, warmup: int, overrides: list[str]) -> dict:
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={ws}",
            str(ROOT / "experiments" / "torchrun_baseline.py"), config,
            "--warmup-steps", str(warmup), "--set", f"train.max_steps={steps}"]
-    for o in overrides:
-        cmd += ["--set", o]
-    t_cmd = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"baseline failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    out, t_cmd = _timed_run(cmd + [a for o in overrides for a in ("--set", o)], "baseline")
     line = next(l for l in out.stdout.splitlines() if l.startswith("BASELINE_RESULT "))
     res = json.loads(line.split(" ", 1)[1])
     res["cmd_to_first_step_s"] = res["first_step_ts"] - t_cmd
@@ -74,12 +79,7 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
             f"run.name={name}", f"run.tracking_uri={uri}", f"run.storage_path={tmp / 'ray'}",
             "run.experiment_name=bench", *overrides]
     cmd = [str(VENV_BIN / "elastic-ddp"), "train", config, "--no-progress"]
-    for s in sets:
-        cmd += ["--set", s]
-    t_cmd = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"elastic-ddp failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    out, t_cmd = _timed_run(cmd + [a for o in sets for a in ("--set", o)], "elastic-ddp")
     total = time.time() - t_cmd
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("bench")
@@ -88,6 +88,9 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
     first = min(m.value for m in client.get_metric_history(rid, "attempt_first_step_ts"))
     steps_hist = sorted((int(m.value), m.timestamp / 1000.0) for m in client.get_metric_history(rid, "step"))
     after = [(s, ts) for s, ts in steps_hist if s >= warmup]
+    if len(after) < 2:
+        raise ValueError(f"fewer than 2 logged steps in {warmup}..{steps} (train.log_every_steps "
+                         f"is {run.data.params.get('train.log_every_steps')}): raise --steps")
     (s_a, ts_a), (s_b, ts_b) = after[0], after[-1]
     cfg_g = int(run.data.params["batch.global_batch_size"])
 

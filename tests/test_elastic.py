@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import digits_config, mlflow_runs
+from conftest import _deep_update, digits_config, mlflow_runs
 from elastic_ddp.checkpoint import CheckpointError, load_state
 from elastic_ddp.launcher import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit, read_attempts
@@ -55,16 +55,7 @@ def _job(data: Path, tmp: Path, name: str, extra: dict | None = None):
                     "collective_timeout_s": 30},
         "run": {"name": name},
     })
-    return Config.from_dict(_deep(raw, extra or {}))
-
-
-def _deep(base: dict, extra: dict) -> dict:
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _deep(base[k], v)
-        else:
-            base[k] = v
-    return base
+    return Config.from_dict(_deep_update(raw, extra or {}))
 
 
 def _train_ids(data: Path):
