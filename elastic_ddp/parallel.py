@@ -24,6 +24,7 @@ The single-process case (world_size 1 or no process group) runs the plain module
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator, Optional
 
 import torch
@@ -107,8 +108,10 @@ class Strategy:
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, cfg, module, device, world_size, zero: bool = False):
+    def __init__(self, cfg, module, device, world_size, zero: bool = False,
+                 total_steps: Optional[int] = None):
         super().__init__(cfg, module, device, world_size)
+        self.total_steps = total_steps
         p = cfg.parallel
         if p.sync_batchnorm and self.distributed:
             # Batch statistics over the global batch, not the per-rank slice (one
@@ -144,7 +147,8 @@ class DDPStrategy(Strategy):
             # error feedback; plain all-reduce for the first start_iter steps.
             self.hook_state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=p.powersgd_rank,
-                start_powerSGD_iter=p.powersgd_start_iter, min_compression_rate=0.5,
+                start_powerSGD_iter=powersgd_start_step(self.cfg, self.total_steps),
+                min_compression_rate=0.5,
                 use_error_feedback=True, warm_start=True)
             self.model.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
 
@@ -385,18 +389,39 @@ def zero_memory_bytes(num_params: int, world_size: int, stage: int,
     return (p + g + o) / n
 
 
+def powersgd_start_step(cfg: Config, total_steps: Optional[int] = None) -> int:
+    """The optimizer step from which PowerSGD compresses (plain all-reduce before it).
+
+    ``parallel.powersgd_start_iter`` when set; otherwise max(``optim.warmup_steps``,
+    ceil(0.2 * ``total_steps``)), and at least 2 (PowerSGDState needs
+    ``start_powerSGD_iter`` > 1 with warm start). Without ``total_steps``, the warm-up
+    (or 10 steps).
+
+    Why 20%: PyTorch's ``PowerSGDState`` documentation advises starting the search at
+    10% of the training steps and raising it until the accuracy is satisfactory (early
+    training is the most sensitive to inexact gradients). On the digits preset (rank 8,
+    5 seeds, README) 10% cost +4.2% +- 2.1% val loss against ddp, 20% +1.9%.
+    """
+    p = cfg.parallel
+    if p.powersgd_start_iter is not None:
+        return max(2, p.powersgd_start_iter)
+    fifth = math.ceil(0.2 * total_steps) if total_steps else 10
+    return max(2, cfg.optim.warmup_steps, fifth)
+
+
 def build_strategy(cfg: Config, module: nn.Module, device: torch.device,
-                   world_size: int) -> Strategy:
+                   world_size: int, total_steps: Optional[int] = None) -> Strategy:
     """Wrap ``module`` (already on ``device``) per ``cfg.parallel.strategy``.
+    ``total_steps``: the run's optimizer steps (for ``powersgd_start_step``).
 
     Raises:
         ValueError: an unknown strategy (the config refuses it first).
     """
     name = cfg.parallel.strategy
     if name == "ddp":
-        return DDPStrategy(cfg, module, device, world_size)
+        return DDPStrategy(cfg, module, device, world_size, total_steps=total_steps)
     if name == "zero1":
-        s = DDPStrategy(cfg, module, device, world_size, zero=True)
+        s = DDPStrategy(cfg, module, device, world_size, zero=True, total_steps=total_steps)
         s.name = "zero1"
         return s
     if name == "fsdp":

@@ -186,11 +186,6 @@ def train_func(loop_config: dict) -> None:
 
     # Same seed on every rank: identical initial weights without a broadcast (DDP also
     # broadcasts rank 0's at wrap time; FSDP shards what each rank built).
-    torch.manual_seed(cfg.seed)
-    strategy = build_strategy(cfg, build_model(cfg.model).to(device), device, ws)
-    model, opt, ddp_model = strategy.module, strategy.optimizer, strategy.model
-    t_marks["model"] = time.time()
-
     train_ids = np.asarray(job["train_ids"], dtype=np.int64)
     val_ids = np.asarray(job["val_ids"], dtype=np.int64) if job.get("val_ids") is not None else None
     n_train = len(train_ids)
@@ -199,6 +194,14 @@ def train_func(loop_config: dict) -> None:
         # The cosine reaches its floor at the run's real end, also when max_steps cuts it.
         total_samples = min(total_samples, cfg.train.max_steps * cfg.batch.global_batch_size)
     steps_per_epoch = steps_in_epoch(n_train, plan.global_batch_size)
+    total_steps = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+
+    torch.manual_seed(cfg.seed)
+    strategy = build_strategy(cfg, build_model(cfg.model).to(device), device, ws, total_steps)
+    model, opt, ddp_model = strategy.module, strategy.optimizer, strategy.model
+    t_marks["model"] = time.time()
 
     step, epoch, cursor, samples_seen = 0, 0, 0, 0
     counters = Counters()

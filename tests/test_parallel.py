@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from elastic_ddp.config import Config
 from elastic_ddp.models import build_model, per_sample_loss
-from elastic_ddp.parallel import build_strategy, zero_memory_bytes
+from elastic_ddp.parallel import build_strategy, powersgd_start_step, zero_memory_bytes
 
 
 def _free_port() -> int:
@@ -36,6 +36,7 @@ def _cfg(strategy: str = "ddp", hook: str = "none", model: str = "gpt", optim: s
                   "batch_norm": model == "cnn", "input_shape": [1, 8, 8], "hidden": 8},
         "optim": {"name": optim, "lr": 3e-3},
         "parallel": {"strategy": strategy, "comm_hook": hook, "powersgd_start_iter": 2,
+                     "powersgd_rank": 2,
                      "sync_batchnorm": model == "cnn" and sync_bn},
         "scaling": {"min_workers": 1, "max_workers": 3},
         "batch": {"global_batch_size": 12, "micro_batch_size": 4, "policy": "uneven"},
@@ -153,6 +154,19 @@ def test_checkpoint_written_at_2_resumes_at_1_and_3(reference, tmp_path, strateg
         assert rel <= 1e-4, f"{strategy} resumed at world size {ws} drifts by {rel:.2e}"
         steps_seen = {float(v["step"]) for v in done["optimizer"]["state"].values() if "step" in v}
         assert steps_seen == {6.0}, f"optimizer step counter did not continue: {steps_seen}"
+
+
+def test_powersgd_start_step_follows_pytorch_tuning_advice():
+    """Unset: max(warm-up, 20% of the run's steps); an explicit value wins."""
+    def cfg(**parallel):
+        return Config.from_dict({"data": {"train_path": "unused"},
+                                 "optim": {"warmup_steps": 10}, "parallel": parallel})
+
+    assert powersgd_start_step(cfg(), total_steps=345) == 69   # the digits preset
+    assert powersgd_start_step(cfg(), total_steps=40) == 10    # the warm-up is longer
+    assert powersgd_start_step(cfg(), total_steps=None) == 10
+    assert powersgd_start_step(cfg(powersgd_start_iter=3), total_steps=345) == 3
+    assert powersgd_start_step(cfg(powersgd_start_iter=1), total_steps=345) == 2
 
 
 def test_zero_memory_formula():
