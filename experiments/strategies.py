@@ -9,6 +9,12 @@ final validation loss and its relative difference to plain ddp (issue target: wi
 memory the ZeRO paper predicts for that stage (``parallel.zero_memory_bytes``; fp32 AdamW;
 activations and the Python/torch runtime are extra, which is why the measured RSS is
 larger). Runs sequentially on one local Ray cluster.
+
+``--seeds 0,1,2,3,4`` repeats every variant per seed (``seed`` sets the init and the sample
+order) and adds the paired comparison: per seed, (variant - ddp) / ddp of the same seed,
+then its mean and standard error over seeds. A small model's final val loss moves by
+several percent under any perturbation of its trajectory (a different seed, or the
+rounding of a compressed all-reduce), so one seed cannot tell a hook's cost from noise.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--only", default="", help="comma list like ddp/none,zero1/none")
+    ap.add_argument("--seeds", default="", help="comma list of seeds; default: the config's")
     args = ap.parse_args()
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
 
     import ray
     from mlflow.tracking import MlflowClient
@@ -46,11 +54,12 @@ def main() -> None:
         variants = [v for v in VARIANTS if v in wanted]
     rows = []
     stamp = time.strftime("%H%M%S")
-    for strategy, hook in variants:
-        cfg = Config.load(args.config, args.overrides + [
+    for seed, (strategy, hook) in ((sd, v) for sd in seeds for v in variants):
+        extra = [] if seed is None else [f"seed={seed}"]
+        cfg = Config.load(args.config, args.overrides + extra + [
             f"parallel.strategy={strategy}", f"parallel.comm_hook={hook}",
             f"scaling.min_workers={args.world_size}", f"scaling.max_workers={args.world_size}",
-            f"run.name=strategies-{stamp}-{strategy}-{hook}", "run.resume=false"])
+            f"run.name=strategies-{stamp}-{strategy}-{hook}-s{cfg_seed(seed)}", "run.resume=false"])
         t = time.time()
         s = train(cfg, progress=False)
         client = MlflowClient(s.tracking_uri)
@@ -59,21 +68,35 @@ def main() -> None:
         mem = hist("peak_mem_mib_max")
         n_params = sum(p.numel() for p in build_model(cfg.model).parameters())
         rows.append({
-            "strategy": strategy, "hook": hook, "val_loss": s.metrics.get("val_loss", float("nan")),
+            "seed": cfg.seed, "strategy": strategy, "hook": hook, "val_loss": s.metrics.get("val_loss", float("nan")),
             "samples_per_s": statistics.median(sps) if sps else float("nan"),
             "peak_mem_mib": max(mem) if mem else float("nan"),
             "zero_model_state_mib": zero_memory_bytes(n_params, args.world_size, STAGE[strategy]) / 2**20,
             "wall_s": time.time() - t,
         })
     ray.shutdown()
-    ref = next((r["val_loss"] for r in rows if r["strategy"] == "ddp" and r["hook"] == "none"), None)
-    print(f"\n{'strategy':>8} {'hook':>9} {'val_loss':>9} {'vs ddp':>8} {'samples/s':>10} "
+    ref = {r["seed"]: r["val_loss"] for r in rows if r["strategy"] == "ddp" and r["hook"] == "none"}
+    print(f"\n{'seed':>4} {'strategy':>8} {'hook':>9} {'val_loss':>9} {'vs ddp':>8} {'samples/s':>10} "
           f"{'peak MiB':>9} {'ZeRO model-state MiB':>21} {'wall s':>7}")
     for r in rows:
-        rel = (r["val_loss"] - ref) / ref if ref else float("nan")
-        print(f"{r['strategy']:>8} {r['hook']:>9} {r['val_loss']:>9.4f} {rel:>+8.2%} "
+        base = ref.get(r["seed"])
+        r["rel"] = (r["val_loss"] - base) / base if base else float("nan")
+        print(f"{r['seed']:>4} {r['strategy']:>8} {r['hook']:>9} {r['val_loss']:>9.4f} {r['rel']:>+8.2%} "
               f"{r['samples_per_s']:>10.1f} {r['peak_mem_mib']:>9.0f} "
               f"{r['zero_model_state_mib']:>21.2f} {r['wall_s']:>7.0f}")
+    if len(seeds) > 1:
+        print(f"\nover seeds {args.seeds}: mean val_loss, and the paired difference to ddp "
+              f"(mean +- standard error over seeds)")
+        for strategy, hook in variants:
+            mine = [r for r in rows if (r["strategy"], r["hook"]) == (strategy, hook)]
+            rel = [r["rel"] for r in mine]
+            se = statistics.stdev(rel) / len(rel) ** 0.5 if len(rel) > 1 else float("nan")
+            print(f"{strategy:>8} {hook:>9} {statistics.mean(r['val_loss'] for r in mine):>9.4f} "
+                  f"{statistics.mean(rel):>+8.2%} +- {se:.2%}")
+
+
+def cfg_seed(seed) -> str:
+    return "cfg" if seed is None else str(seed)
 
 
 if __name__ == "__main__":
