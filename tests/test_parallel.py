@@ -29,14 +29,14 @@ def _free_port() -> int:
 
 
 def _cfg(strategy: str = "ddp", hook: str = "none", model: str = "gpt", optim: str = "adamw",
-         sync_bn: bool = True) -> Config:
+         sync_bn: bool = True, keep_params: bool = False) -> Config:
     return Config.from_dict({
         "data": {"train_path": "unused"},
         "model": {"name": model, "block_size": 16, "n_embd": 32, "n_head": 2, "n_layer": 2,
                   "batch_norm": model == "cnn", "input_shape": [1, 8, 8], "hidden": 8},
         "optim": {"name": optim, "lr": 3e-3},
         "parallel": {"strategy": strategy, "comm_hook": hook, "powersgd_start_iter": 2,
-                     "powersgd_rank": 2,
+                     "powersgd_rank": 2, "fsdp_keep_params_between_fwd_bwd": keep_params,
                      "sync_batchnorm": model == "cnn" and sync_bn},
         "scaling": {"min_workers": 1, "max_workers": 3},
         "batch": {"global_batch_size": 12, "micro_batch_size": 4, "policy": "uneven"},
@@ -137,6 +137,43 @@ def test_strategy_matches_ddp(reference, tmp_path, strategy, hook, tol):
     plain.load_state_dict(got["model"])
     if hook == "powersgd":
         assert len(got["comm_hook"]["error_dicts"]) == 2  # one residual per rank
+
+
+def _probe_fsdp_reshard(rank, ws, port, out_dir):
+    """After one forward (before backward), is a transformer block's weight still a
+    sharded DTensor, for each setting of fsdp_keep_params_between_fwd_bwd?"""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    try:
+        seen = {}
+        for keep in (False, True):
+            cfg = _cfg("fsdp", keep_params=keep)
+            torch.manual_seed(0)
+            strategy = build_strategy(cfg, build_model(cfg.model), torch.device("cpu"), ws)
+            x, y = _batch(cfg, 0, rank, ws)
+            loss_vec, _ = per_sample_loss(strategy.model, cfg.model, x, y)
+            block = strategy.module.blocks[0]
+            seen[keep] = type(next(block.parameters())).__name__
+            loss_vec.sum().backward()
+        if rank == 0:
+            torch.save(seen, Path(out_dir) / "probe.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_keep_params_between_fwd_bwd_is_zero2_like(reference, tmp_path):
+    """reshard_after_forward=False: between forward and backward the blocks hold their
+    full (unsharded) parameters, as ZeRO-2 does; by default they are sharded again right
+    after forward (ZeRO-3). Both train exactly as ddp does."""
+    mp.start_processes(_probe_fsdp_reshard, args=(2, _free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    seen = torch.load(tmp_path / "probe.pt", weights_only=True)
+    assert seen == {False: "DTensor", True: "Parameter"}, seen
+    got = _run(2, {"cfg": {"strategy": "fsdp", "keep_params": True}, "steps": 6, "save": "k.pt"},
+               tmp_path)
+    rel = ((got["losses"] - reference["losses"]).abs() / reference["losses"]).max().item()
+    assert rel <= 1e-4, f"fsdp keep-params drifts from ddp by {rel:.2e}"
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])

@@ -70,10 +70,10 @@ def _val_accuracy_plain_torch(cfg: Config, state_dict: dict, val_dir: Path) -> t
     return float((pred == y).mean()), len(y)
 
 
-def _replay_plain_torch(cfg: Config, data_dir: Path) -> tuple[float, torch.nn.Module]:
+def _replay_plain_torch(cfg: Config, data_dir: Path) -> tuple[list[float], torch.nn.Module]:
     """The job's training replayed in one process without Ray or DDP: same init seed,
     same per-epoch sample order (``epoch_order``), same LR per sample count (``lr_at``),
-    full-batch mean loss. Returns (step-1 loss, model). By the world-size invariance of
+    full-batch mean loss. Returns (every step's loss, model). By the world-size invariance of
     a step (test_batching), the 2-worker job must compute the same training up to float
     reassociation."""
     files = sorted((data_dir / "train").glob("*.parquet"))
@@ -91,7 +91,7 @@ def _replay_plain_torch(cfg: Config, data_dir: Path) -> tuple[float, torch.nn.Mo
         torch.set_num_threads(threads)
 
 
-def _replay_loop(cfg: Config, ids, x, y, pos) -> tuple[float, torch.nn.Module]:
+def _replay_loop(cfg: Config, ids, x, y, pos) -> tuple[list[float], torch.nn.Module]:
     from elastic_ddp.batching import epoch_order, lr_at
 
     assert cfg.optim.name == "adamw"
@@ -100,7 +100,7 @@ def _replay_loop(cfg: Config, ids, x, y, pos) -> tuple[float, torch.nn.Module]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
     g, total = cfg.batch.global_batch_size, len(ids) * cfg.train.epochs
-    seen, first_loss = 0, None
+    seen, losses = 0, []
     for epoch in range(cfg.train.epochs):
         order = epoch_order(ids, cfg.seed, epoch)
         for c in range(0, len(order), g):
@@ -110,12 +110,12 @@ def _replay_loop(cfg: Config, ids, x, y, pos) -> tuple[float, torch.nn.Module]:
                                     cfg.optim.min_lr_ratio)
             loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x[rows])),
                                                      torch.from_numpy(y[rows]))
-            first_loss = float(loss.detach()) if first_loss is None else first_loss
+            losses.append(float(loss.detach()))
             opt.zero_grad()
             loss.backward()
             opt.step()
             seen += len(rows)
-    return first_loss, model
+    return losses, model
 
 
 # ------------------------------------------------------------------------------- (a)
@@ -181,7 +181,8 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     # The 2-worker DDP job trains as one plain loop over the same global batches: the
     # first step's loss (same init, same 32 rows) matches to float precision, and the
     # final model's accuracy within two val rows (135 Adam steps of float reassociation).
-    first_loss, replay = _replay_plain_torch(cfg, digits_data)
+    replay_losses, replay = _replay_plain_torch(cfg, digits_data)
+    first_loss = replay_losses[0]
     assert loss[0][1] == pytest.approx(first_loss, rel=1e-5)
     replay_acc, _ = _val_accuracy_plain_torch(cfg, replay.state_dict(), digits_data / "val")
     print(f"[e2e digits] plain-torch replay: step-1 loss {first_loss:.5f} "
@@ -361,16 +362,21 @@ def _ws(n: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def resize_reference(ray_cluster, digits_data, tmp_path_factory):
-    """The uninterrupted job: plain ddp at 2 workers, every step's loss logged."""
-    tmp = tmp_path_factory.mktemp("resize-ref")
-    cfg = Config.from_dict(digits_config(digits_data, tmp, {**RESIZE, "run": {"name": "ref"}}))
-    s = train(cfg, progress=False)
-    return dict(_history(_client(tmp), s.run_id, "train_loss")), s
+def resize_reference(digits_data, tmp_path_factory):
+    """The uninterrupted run's loss at every step: the job's training replayed in plain
+    PyTorch (the same global batches, init and LR; ~1 s instead of another Ray job)."""
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path_factory.mktemp("resize-ref"),
+                                         RESIZE))
+    losses, model = _replay_plain_torch(cfg, digits_data)
+    acc, n_val = _val_accuracy_plain_torch(cfg, model.state_dict(), digits_data / "val")
+    return {k + 1: v for k, v in enumerate(losses)}, acc, n_val
 
 
+# One case in the default suite (~80 s: two Ray jobs); the other three are slow-marked.
+# tests/test_parallel.py covers all four on gloo groups in the default suite.
 @pytest.mark.parametrize("strategy,resume_ws", [
-    ("zero1", 3), ("fsdp", 1),
+    ("zero1", 3),
+    pytest.param("fsdp", 1, marks=pytest.mark.slow),
     pytest.param("zero1", 1, marks=pytest.mark.slow), pytest.param("fsdp", 3, marks=pytest.mark.slow),
 ])
 def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_cluster, digits_data,
@@ -378,7 +384,7 @@ def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_clus
     from elastic_ddp.launcher import TrainingError
     from elastic_ddp.ledger import audit, format_audit, read_attempts
 
-    ref_loss, ref = resize_reference
+    ref_loss, ref_acc, n_val = resize_reference
     ledger = str(tmp_path / "ledger")
     base = {**RESIZE, "parallel": {"strategy": strategy}, "run": {"name": f"resize-{strategy}"}}
     first = Config.from_dict(digits_config(digits_data, tmp_path, {**base, **_ws(2)}))
@@ -404,17 +410,17 @@ def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_clus
 
     # The restored optimizer state (Adam moments and step count, gathered from 2 shards
     # and re-split over resume_ws) carries the run on the uninterrupted curve: every
-    # step's loss after the resume matches plain ddp's at 2 workers. Measured: ~5e-8
-    # (float reassociation across world sizes); with the optimizer state not loaded
-    # (fresh Adam moments at the resume), 0.49.
+    # step's loss after the resume matches the uninterrupted run's. Measured: 1.3e-7
+    # against the replay, ~5e-8 against an uninterrupted 2-worker ddp job (float
+    # reassociation); with the optimizer state not loaded (fresh Adam moments), 0.49.
     got = dict(_history(_client(tmp_path), s.run_id, "train_loss"))
     after = [k for k in sorted(got) if k > 8]
     assert after == list(range(9, RESIZE_STEPS + 1)), after
     worst = max(abs(got[k] - ref_loss[k]) / ref_loss[k] for k in after)
-    print(f"\n[e2e resize {strategy} 2->{resume_ws}] worst step-loss drift {worst:.2e}, val_loss "
-          f"{s.metrics['val_loss']:.6f} (reference {ref.metrics['val_loss']:.6f})")
-    assert worst < 1e-3, f"{strategy} resumed at {resume_ws}: loss drifts {worst:.2e} from ddp at 2"
-    assert s.metrics["val_loss"] == pytest.approx(ref.metrics["val_loss"], rel=1e-3)
+    print(f"\n[e2e resize {strategy} 2->{resume_ws}] worst step-loss drift {worst:.2e}, val_acc "
+          f"{s.metrics['val_acc']:.4f} (replay {ref_acc:.4f})")
+    assert worst < 1e-3, f"{strategy} resumed at {resume_ws}: loss drifts {worst:.2e}"
+    assert abs(s.metrics["val_acc"] - ref_acc) <= 1.0 / n_val + 1e-12
 
 
 def _train_ids(data: Path) -> np.ndarray:
