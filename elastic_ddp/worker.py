@@ -184,8 +184,6 @@ def train_func(loop_config: dict) -> None:
     tracker = RankZeroTracker(job["tracking_uri"], job["run_id"], enabled=rank == 0)
     t_marks["mlflow"] = time.time()
 
-    # Same seed on every rank: identical initial weights without a broadcast (DDP also
-    # broadcasts rank 0's at wrap time; FSDP shards what each rank built).
     train_ids = np.asarray(job["train_ids"], dtype=np.int64)
     val_ids = np.asarray(job["val_ids"], dtype=np.int64) if job.get("val_ids") is not None else None
     n_train = len(train_ids)
@@ -198,6 +196,8 @@ def train_func(loop_config: dict) -> None:
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
 
+    # Same seed on every rank: identical initial weights without a broadcast (DDP also
+    # broadcasts rank 0's at wrap time; FSDP shards what each rank built).
     torch.manual_seed(cfg.seed)
     strategy = build_strategy(cfg, build_model(cfg.model).to(device), device, ws, total_steps)
     model, opt, ddp_model = strategy.module, strategy.optimizer, strategy.model
