@@ -334,8 +334,7 @@ def test_worker_sigkill_recovers_same_run(ray_cluster, digits_data, tmp_path):
     assert any(e.get("resumed_at_step", 0) >= 10 for e in summary.events), summary.events
 
     # No sample lost or repeated: per epoch, the committed steps' ids are the train set.
-    train_ids = np.sort(np.concatenate([pq.read_table(f, columns=["sample_id"])["sample_id"].to_numpy()
-                                        for f in sorted((digits_data / "train").glob("*.parquet"))]))
+    train_ids = _train_ids(digits_data)
     per_epoch = _committed_ledger(ledger)
     assert sorted(per_epoch) == [0, 1, 2, 3]
     for epoch, parts in per_epoch.items():
@@ -424,5 +423,7 @@ def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_clus
 
 
 def _train_ids(data: Path) -> np.ndarray:
-    return np.sort(np.concatenate([pq.read_table(f, columns=["sample_id"])["sample_id"].to_numpy()
-                                   for f in sorted((data / "train").glob("*.parquet"))]))
+    """The training set's sample ids, sorted (``scan_parquet`` returns them so)."""
+    from elastic_ddp.data.scan import scan_parquet
+
+    return scan_parquet(str(data / "train"), "x", "sample_id", "y").sample_ids
