@@ -3,16 +3,22 @@ across failures and resizes, tracked in one MLflow run per job.
 
     from elastic_ddp import Config, train
     summary = train(Config.load("experiments/configs/digits_cnn.yaml"))
+
+Bring your own model and data by subclassing :class:`Task` (see
+``elastic_ddp.tasks.protocol``) and passing ``train(cfg, task=MyTask())`` or
+``task.path: "my_task.py:MyTask"`` in the config.
 """
 
 from elastic_ddp.config import Config, ConfigError
+from elastic_ddp.tasks.protocol import Column, Task, TransformContext, pad_sequences
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "train", "__version__"]
+__all__ = ["Column", "Config", "ConfigError", "Task", "TransformContext", "pad_sequences",
+           "train", "__version__"]
 
 
-def train(cfg, **kwargs):
-    """Run a training job; see ``elastic_ddp.launcher.train``."""
+def train(cfg, task=None, **kwargs):
+    """Run a training job; see :func:`elastic_ddp.launcher.train`."""
     from elastic_ddp.launcher import train as _train
 
-    return _train(cfg, **kwargs)
+    return _train(cfg, task=task, **kwargs)

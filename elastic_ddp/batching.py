@@ -1,14 +1,14 @@
-"""World-size arithmetic: global batch -> per-rank rows x grad_accum_steps, the epoch's
-sample order, and the LR schedule. Pure functions, no torch.distributed, no Ray.
+"""World-size arithmetic: global batch -> per-rank rows x grad_accum_steps, the run's
+length, and the LR schedule. Pure functions, no torch.distributed, no Ray.
 
     elastic-ddp plan experiments/configs/digits_cnn.yaml
 
-The elastic contract rests on one idea: an epoch is a fixed permutation of the data set's
-``sample_id``s, drawn from ``(seed, epoch)``, and step k of the epoch always takes the rows
-``order[cursor_k : cursor_k + G]`` whatever the world size. A rank only decides *which
-part* of that global batch it computes. So the committed progress of an epoch is one
-integer (the cursor), a restart at any world size continues exactly where the last
-checkpoint left off, and no sample is repeated or lost.
+The elastic contract rests on one idea: an epoch is a fixed order of the data set's rows,
+drawn from ``(seed, epoch)`` alone (``elastic_ddp.data.order``), and step k of the epoch
+always takes global positions ``[cursor_k, cursor_k + G)`` whatever the world size. A
+rank only decides *which part* of that global batch it computes. So the committed
+progress of an epoch is one integer (the cursor), a restart at any world size continues
+exactly where the last checkpoint left off, and no sample is repeated or lost.
 
 Global batch G = sum over ranks of the rank's rows; each rank cuts its rows into
 ``grad_accum_steps`` micro-batches of at most ``micro_batch_size`` rows. The loss of a
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
-
-import numpy as np
+from typing import Literal, Sequence
 
 Policy = Literal["fixed_global", "uneven", "scale_lr"]
 
@@ -69,6 +67,7 @@ def plan_for_world_size(
     policy: Policy = "fixed_global",
     min_workers: int = 1,
     lr_scaling: Literal["linear", "sqrt"] = "linear",
+    partitions: int = 1,
 ) -> BatchPlan:
     """The batch plan at ``world_size``.
 
@@ -76,7 +75,9 @@ def plan_for_world_size(
     (differing by at most one under ``uneven``). scale_lr: each rank keeps the rows it had
     at ``min_workers``; G and the LR grow with the world size by the linear scaling rule
     (Goyal et al. 2017, "Accurate, Large Minibatch SGD", sec. 2.1) or its square-root
-    variant (Krizhevsky 2014, "One weird trick").
+    variant (Krizhevsky 2014, "One weird trick"). With ``partitions`` > 1 the rows of a
+    rank come from its partitions (``data.order``); ``rows_per_rank`` is then the even
+    split, a guide for memory, and each step's exact split comes from the order.
 
     Raises:
         BatchConfigError: the policy cannot carry this world size.
@@ -90,7 +91,7 @@ def plan_for_world_size(
         ratio = world_size / min_workers
         mult = ratio if lr_scaling == "linear" else math.sqrt(ratio)
     else:
-        if policy == "fixed_global" and global_batch_size % world_size:
+        if policy == "fixed_global" and partitions == 1 and global_batch_size % world_size:
             raise BatchConfigError(
                 f"batch.global_batch_size={global_batch_size} does not divide over "
                 f"world_size={world_size} (policy fixed_global)"
@@ -113,17 +114,35 @@ def plan_for_world_size(
     )
 
 
+def default_partitions(min_workers: int, max_workers: int) -> int:
+    """``data.partitions`` when unset: the smallest multiple of lcm(min..max) that is at
+    least 8 (every allowed world size then owns the same number of partitions, and a
+    step mixes rows of at least 8 regions of the shuffled data), or ``max_workers`` when
+    that lcm is over 64 (each partition costs a rank about two windows of memory)."""
+    lcm = math.lcm(*range(min_workers, max_workers + 1))
+    if lcm > 64:
+        return max_workers
+    return lcm * math.ceil(8 / lcm)
+
+
 def check_batch_config(
     global_batch_size: int,
     micro_batch_size: int,
     min_workers: int,
     max_workers: int,
     policy: Policy,
+    partitions: int = 1,
 ) -> None:
     """Refuse, up front, batch settings that some world size in [min, max] cannot carry.
 
+    ``partitions`` is the epoch order's canonical partition count (1: ``data.order:
+    permutation``, where ranks split each step by position). With P > 1 a rank reads its
+    own partitions, so no world size may exceed P, and ``fixed_global`` (equal rows per
+    rank) needs every world size to divide P instead of the global batch.
+
     Raises:
-        BatchConfigError: names ``batch.global_batch_size`` (or ``scaling.*``) and the fix.
+        BatchConfigError: names ``batch.global_batch_size``, ``data.partitions`` or
+            ``scaling.*`` and the fix.
     """
     if policy == "scale_lr" and global_batch_size % min_workers:
         raise BatchConfigError(
@@ -137,13 +156,21 @@ def check_batch_config(
             f"scaling.max_workers={max_workers}: some rank would get no rows; raise the "
             f"batch or lower max_workers"
         )
+    if partitions > 1 and max_workers > partitions:
+        raise BatchConfigError(
+            f"scaling.max_workers={max_workers} exceeds data.partitions={partitions}: a rank "
+            f"would own no partition of the data; raise data.partitions to a multiple of "
+            f"lcm({min_workers}..{max_workers}) or lower max_workers"
+        )
     if policy == "fixed_global":
-        bad = [ws for ws in range(min_workers, max_workers + 1) if global_batch_size % ws]
+        unit, what = (partitions, "data.partitions") if partitions > 1 else \
+            (global_batch_size, "batch.global_batch_size")
+        bad = [ws for ws in range(min_workers, max_workers + 1) if unit % ws]
         if bad:
             lcm = math.lcm(*range(min_workers, max_workers + 1))
-            suggestion = math.ceil(global_batch_size / lcm) * lcm
+            suggestion = math.ceil(unit / lcm) * lcm
             raise BatchConfigError(
-                f"batch.global_batch_size={global_batch_size} does not divide over world "
+                f"{what}={unit} does not divide over world "
                 f"size(s) {bad} allowed by scaling.min_workers..max_workers="
                 f"{min_workers}..{max_workers}; use a multiple of {lcm} (e.g. {suggestion}), "
                 f"narrow the worker range, or set batch.policy=uneven"
@@ -157,28 +184,23 @@ def valid_world_sizes(
     max_workers: int,
     policy: Policy,
     lr_scaling: Literal["linear", "sqrt"] = "linear",
+    partitions: int = 1,
 ) -> list[tuple[int, BatchPlan | None, str]]:
     """Every world size in [min, max] with its plan, or None and the reason it is refused
-    (the role of DeepSpeed's elasticity calculator)."""
+    (the role of DeepSpeed's elasticity calculator). With ``partitions`` > 1 a world size
+    must not exceed it; one that does not divide it keeps the exact order but is
+    unbalanced (refused under ``fixed_global``)."""
     out: list[tuple[int, BatchPlan | None, str]] = []
     for ws in range(min_workers, max_workers + 1):
+        if partitions > 1 and (ws > partitions or (policy == "fixed_global" and partitions % ws)):
+            out.append((ws, None, f"world_size={ws} does not divide data.partitions={partitions}"))
+            continue
         try:
             out.append((ws, plan_for_world_size(global_batch_size, micro_batch_size, ws,
-                                                policy, min_workers, lr_scaling), ""))
+                                                policy, min_workers, lr_scaling, partitions), ""))
         except BatchConfigError as e:
             out.append((ws, None, str(e)))
     return out
-
-
-def epoch_order(sample_ids: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    """The epoch's global sample order: a permutation of ``sample_ids`` (shape [N], int64)
-    reproducible from (seed, epoch) alone and different for every epoch.
-
-    ``sample_ids`` must be sorted (``scan_parquet`` returns them so), which makes the order
-    independent of file layout, reader parallelism and world size.
-    """
-    rng = np.random.default_rng([int(seed), int(epoch), 0x5EED])
-    return sample_ids[rng.permutation(len(sample_ids))]
 
 
 def steps_in_epoch(num_rows: int, global_batch_size: int) -> int:
@@ -192,30 +214,70 @@ def step_rows(num_rows: int, cursor: int, global_batch_size: int) -> int:
     return min(global_batch_size, num_rows - cursor)
 
 
-def rank_micro_slices(
-    rows_in_step: int, plan: BatchPlan, rank: int
-) -> list[tuple[int, int]]:
-    """This rank's micro-batches inside one step, as [start, stop) offsets into the step's
-    rows (``order[cursor : cursor + rows_in_step]``).
+def grad_accum_steps(rows_per_rank: Sequence[int], micro_batch_size: int) -> int:
+    """Micro-steps of one optimizer step: ceil(largest rank's rows / micro_batch_size),
+    the same on every rank (every rank runs as many forward/backward passes and
+    all-reduces), at least 1."""
+    return max(1, math.ceil(max(rows_per_rank) / micro_batch_size))
 
-    Always ``plan.grad_accum_steps`` slices, so every rank runs the same number of
-    forward/backward passes and all-reduces; a slice may be empty (a rank with fewer rows
-    than micro-steps, only in an epoch's short last step).
 
-    For a full step the rank chunk sizes are ``plan.rows_per_rank``; a short last step
-    is split evenly over ranks.
-    """
-    ws = plan.world_size
-    if rows_in_step == plan.global_batch_size:
-        sizes = list(plan.rows_per_rank)
-    else:
-        sizes = split_evenly(rows_in_step, ws)
-    start = sum(sizes[:rank])
-    slices: list[tuple[int, int]] = []
-    for n in split_evenly(sizes[rank], plan.grad_accum_steps):
-        slices.append((start, start + n))
+def micro_slices(rows: int, accum: int) -> list[tuple[int, int]]:
+    """A rank's ``rows`` cut into ``accum`` contiguous micro-batches ``[start, stop)``
+    differing by at most one row (some may be empty when rows < accum)."""
+    out, start = [], 0
+    for n in split_evenly(rows, accum):
+        out.append((start, start + n))
         start += n
-    return slices
+    return out
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How long the run is and how big its steps are, at one world size: the one place
+    these numbers come from.
+
+    Attributes:
+        global_batch_size: samples per optimizer step at this world size (the config's,
+            or under ``scale_lr`` per-rank rows x world size).
+        steps_per_epoch: ceil(N / global_batch_size).
+        total_steps: optimizer steps of the run (``train.max_steps`` applied).
+        schedule_samples: samples over which warm-up + cosine run: N x epochs, or
+            ``max_steps x batch.global_batch_size`` when that is smaller. In samples, and
+            from the config's global batch, so the LR at a given sample count does not
+            depend on the world size.
+        warmup_samples: ``optim.warmup_steps x batch.global_batch_size``.
+        peak_lr: ``optim.lr`` x the plan's LR multiplier (1 unless ``scale_lr``).
+    """
+
+    global_batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    schedule_samples: int
+    warmup_samples: int
+    peak_lr: float
+
+
+def run_length(cfg, num_rows: int, world_size: int) -> tuple[BatchPlan, RunLength]:
+    """The batch plan and run length of ``cfg`` (an ``elastic_ddp.config.Config``) on a
+    training split of ``num_rows`` rows at ``world_size``.
+
+    Raises:
+        BatchConfigError: the batch settings cannot carry this world size.
+    """
+    b = cfg.batch
+    plan = plan_for_world_size(b.global_batch_size, b.micro_batch_size, world_size, b.policy,
+                               cfg.scaling.min_workers, b.lr_scaling, cfg.partitions)
+    g = plan.global_batch_size
+    steps_per_epoch = steps_in_epoch(num_rows, g)
+    total_steps = steps_per_epoch * cfg.train.epochs
+    schedule = num_rows * cfg.train.epochs
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+        # The cosine reaches its floor at the run's real end, also when max_steps cuts it.
+        schedule = min(schedule, cfg.train.max_steps * b.global_batch_size)
+    return plan, RunLength(g, steps_per_epoch, total_steps, schedule,
+                           cfg.optim.warmup_steps * b.global_batch_size,
+                           cfg.optim.lr * plan.lr_multiplier)
 
 
 def lr_at(

@@ -4,8 +4,9 @@ read back with ``torch.load(weights_only=True)`` and a format check.
 Layout of a checkpoint directory (what ``ray.train.report`` persists and
 ``ray.train.get_checkpoint()`` hands back)::
 
-    state.pt      {"format", "model" (no DDP "module." prefix), "optimizer", "step",
-                   "epoch", "cursor", "samples_seen", "rng", "counters", "world_size", ...}
+    state.pt      {"format", "model" (no DDP "module." prefix), "optimizer", "progress",
+                   "counters", "data", ...}: the schema is ``Trainer.state_dict()``'s
+                   (``elastic_ddp.trainer``), its only writer and reader
     config.json   the job's config, so the checkpoint is self-describing
 
 Load the model in plain PyTorch::
@@ -85,3 +86,26 @@ def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     PyTorch and at any world size)."""
     inner = getattr(model, "module", model)
     return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+
+
+def report(state: Optional[dict[str, Any]], metrics: dict[str, float], step: int,
+           config: dict | None = None,
+           before_replace: Optional[Callable[[Path], None]] = None) -> None:
+    """Commit a checkpoint through Ray Train: every rank calls it (``ray.train.report`` is
+    a barrier); the rank holding ``state`` (rank 0; None elsewhere) writes it to a
+    temporary directory that Ray Train copies into ``storage_path/name/checkpoint_step<k>``.
+    The steps before it count as committed once it returns.
+    """
+    import tempfile
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    metrics = {k: float(v) for k, v in metrics.items()}
+    if state is None:
+        ray.train.report(metrics, checkpoint=None)
+        return
+    with tempfile.TemporaryDirectory(prefix="elastic-ddp-ckpt-") as d:
+        save_state(d, state, config=config, before_replace=before_replace)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d),
+                         checkpoint_dir_name=f"checkpoint_step{step:08d}")

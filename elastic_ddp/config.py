@@ -26,59 +26,75 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    """Where the Parquet data lives and which columns mean what."""
+    """Where the Parquet data lives and in what order it is read (the task names the
+    columns it reads: ``Task.input_columns``)."""
 
     train_path: str = Field(description="Directory (or file) of training Parquet files.")
     val_path: Optional[str] = Field(
         None, description="Directory of validation Parquet files; none skips validation."
     )
-    feature_column: str = Field(
-        "x", description="Column with the input: a list of numbers (pixels or token ids)."
-    )
-    label_column: Optional[str] = Field(
-        "y", description="Column with the integer class label; null for language modelling."
-    )
     id_column: str = Field(
-        "sample_id", description="Unique int64 id per row; the ledger of what was consumed."
+        "sample_id", description="Unique integer id per row; the ledger of what was consumed."
     )
-    materialize: bool = Field(
-        True,
+    order: Literal["windowed", "permutation"] = Field(
+        "windowed",
         description=(
-            "Read the Parquet files once into Ray's object store before training, so every "
-            "epoch and restart re-reads from memory (a read_parquet execution costs seconds "
-            "of fixed overhead). false streams from Parquet at every epoch: for data sets "
-            "larger than the object store."
-        ),
+            "windowed: each epoch shuffles the row groups, cuts them into data.partitions "
+            "canonical partitions and shuffles rows within windows; a rank reads only its "
+            "own partitions (memory and reads follow the batch, not the data set). "
+            "permutation: a full random permutation per epoch, every rank reads every row "
+            "and keeps 1/world_size of them (small data sets only)."),
     )
+    partitions: Optional[int] = Field(
+        None, ge=1, description=(
+            "windowed: canonical partitions (fixed for the job: the order does not depend "
+            "on the world size). A world size that divides it is balanced. null: the "
+            "smallest multiple of lcm(min_workers..max_workers) >= 8 (or max_workers when "
+            "that lcm is over 64)."),
+    )
+    shuffle_window_rows: int = Field(
+        65536, ge=1, description=(
+            "windowed: rows shuffled together, summed over all partitions (each partition "
+            "shuffles ceil(this / partitions) rows at a time, at least one row group). A "
+            "rank holds about 2 x this / world_size rows (plus Ray Data's prefetch)."),
+    )
+    block_rows: Optional[int] = Field(
+        None, ge=1, description=(
+            "windowed: split row groups into blocks of at most this many rows before the "
+            "shuffle (finer shuffle, but a row group shared by blocks is read once per "
+            "block). null: whole row groups."),
+    )
+    on_change: Literal["refuse", "restart_epoch"] = Field(
+        "refuse", description=(
+            "A resume whose checkpoint was written on other data (rows added, removed or "
+            "renumbered) or another order: refuse (start a new run.name instead), or keep "
+            "the weights and restart the current epoch."),
+    )
+
+
+class TaskConfig(_Section):
+    """The user's task (model, per-sample loss, CPU transform, collate): see
+    ``elastic_ddp.tasks.protocol``."""
+
+    path: Optional[str] = Field(
+        None, description=(
+            "'package.module:Name' or 'path/to/file.py:Name' of an elastic_ddp.Task "
+            "subclass (or instance or factory); or a built-in: mlp, cnn, gpt. Default: "
+            "the built-in named by model.name."))
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the task's constructor.")
 
 
 class ModelConfig(_Section):
-    """Which network to build. Fields a model does not use are ignored by it."""
+    """How the network is built: ``Task.build_model(**kwargs)`` or ``factory(**kwargs)``."""
 
-    name: Literal["mlp", "cnn", "gpt"] = Field("cnn", description="Model registry key.")
-    num_classes: int = Field(10, ge=2, description="Classes for mlp/cnn.")
-    input_shape: list[int] = Field(
-        default_factory=lambda: [1, 8, 8],
-        description="Shape of one sample's features (C, H, W) for cnn; its product for mlp.",
-    )
-    hidden: int = Field(128, ge=1, description="mlp hidden width / cnn channel width.")
-    batch_norm: bool = Field(
-        False, description="cnn: BatchNorm2d after each conv; mlp: BatchNorm1d after each hidden layer.")
-    vocab_size: int = Field(256, ge=2, description="gpt: byte-level vocabulary.")
-    block_size: int = Field(128, ge=2, description="gpt: context length in tokens.")
-    n_layer: int = Field(2, ge=1, description="gpt: transformer blocks.")
-    n_head: int = Field(4, ge=1, description="gpt: attention heads.")
-    n_embd: int = Field(128, ge=8, description="gpt: embedding width.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
-        if self.name == "gpt" and self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head "
-                f"({self.n_head}); pick e.g. n_head={_divisor_hint(self.n_embd, self.n_head)}"
-            )
-        return self
+    name: Optional[Literal["mlp", "cnn", "gpt"]] = Field(
+        None, description="Short alias of a built-in task (sets task.path).")
+    factory: Optional[str] = Field(
+        None, description="'package.module:fn' or 'file.py:fn' returning the nn.Module; "
+                          "default: the task's build_model.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the model factory.")
 
 
 class OptimConfig(_Section):
@@ -160,6 +176,10 @@ class TrainConfig(_Section):
     eval_max_batches: Optional[int] = Field(
         None, ge=1, description="Cap validation batches per rank (quick runs)."
     )
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description=(
+            "A step whose gradient is not finite (NaN/inf on any rank) is skipped by every "
+            "rank; this many in a row stop the job with an error."))
 
 
 class ScalingConfig(_Section):
@@ -226,6 +246,7 @@ class Config(_Section):
 
     seed: int = Field(0, description="Seeds model init and each epoch's sample order.")
     data: DataConfig
+    task: TaskConfig = Field(default_factory=TaskConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -233,6 +254,16 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _task_named(self) -> "Config":
+        if self.task.path is None and self.model.name is None:
+            raise ValueError("no task: set task.path ('package.module:Name' or "
+                             "'file.py:Name') or model.name (mlp, cnn, gpt)")
+        if self.task.path and self.model.name and self.task.path != self.model.name:
+            raise ValueError(f"task.path={self.task.path!r} and model.name="
+                             f"{self.model.name!r} name two tasks; keep one")
+        return self
 
     @model_validator(mode="after")
     def _batch_fits_world_sizes(self) -> "Config":
@@ -244,8 +275,20 @@ class Config(_Section):
             min_workers=self.scaling.min_workers,
             max_workers=self.scaling.max_workers,
             policy=self.batch.policy,
+            partitions=self.partitions,
         )
         return self
+
+    @property
+    def partitions(self) -> int:
+        """Canonical partitions of the epoch order: 1 under ``data.order: permutation``
+        (every rank reads everything), else ``data.partitions`` or its default."""
+        from elastic_ddp.batching import default_partitions
+
+        if self.data.order == "permutation":
+            return 1
+        return self.data.partitions or default_partitions(self.scaling.min_workers,
+                                                           self.scaling.max_workers)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -304,11 +347,6 @@ class Config(_Section):
 
         walk("", self.model_dump(mode="json"))
         return out
-
-
-def _divisor_hint(n: int, near: int) -> int:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return min(divisors, key=lambda d: abs(d - near))
 
 
 def _deep_merge(a: dict, b: dict) -> dict:

@@ -1,16 +1,15 @@
 """Controller-side view of the run: failures, resizes, restarts, and deterministic errors.
 
 Ray Train calls these callbacks in its controller actor (``RunConfig(callbacks=...)``),
-not on the workers. They write every event into the job's one MLflow run
-(``events/events.json``) so the driver can join them with the workers' first-step
-timestamps into recovery times.
+not on the workers. They send every event and start-up mark to the job's tracker actor
+(``elastic_ddp.tracking.JobTracker``), which writes them into the job's one MLflow run
+(``events/events.json``, ``events/timeline.json``) and keeps them for the driver's
+summary; the controller never imports MLflow.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -21,7 +20,8 @@ EVENTS_ARTIFACT = "events/events.json"
 TIMELINE_ARTIFACT = "events/timeline.json"
 
 # Errors that no restart can fix: bad data or config surfacing on a worker.
-_FATAL_PATTERNS = ("DataError", "CheckpointError", "ConfigError", "BatchConfigError")
+_FATAL_PATTERNS = ("DataError", "CheckpointError", "ConfigError", "BatchConfigError", "TaskError",
+                   "TransformError")
 _STEP_RE = re.compile(r"StepError: (step \d+) \(epoch \d+, rank \d+\): (.*)")
 
 
@@ -43,9 +43,8 @@ class ElasticEvents(UserCallback):
     """Records failures and stops the job on deterministic errors (raising from a
     callback makes Ray Train fail the run without retrying: a ControllerError)."""
 
-    def __init__(self, tracking_uri: str, run_id: str):
-        self.tracking_uri = tracking_uri
-        self.run_id = run_id
+    def __init__(self, tracker):
+        self.tracker = tracker
         self.events: List[Dict[str, Any]] = []
         self._last_signature: Optional[str] = None
         self._last_world_size: Optional[int] = None
@@ -107,83 +106,32 @@ class ElasticEvents(UserCallback):
 
     # -- shared ----------------------------------------------------------------------
     def mark(self, what: str, **extra: Any) -> None:
-        """Append a timeline mark (published as ``events/timeline.json``)."""
-        self.timeline.append({"what": what, "t": time.time(), **extra})
-        self._publish()
+        """A controller timeline mark (``events/timeline.json``)."""
+        mark = {"what": what, "t": time.time(), **extra}
+        self.timeline.append(mark)
+        self.tracker.event.remote(None, mark)
 
     def record(self, event: Optional[Dict[str, Any]]) -> None:
-        """Append ``event`` (None: just re-publish) and publish the list to MLflow."""
+        """Append ``event`` (None: re-send the unsettled ones' updates) to the tracker."""
         if event is not None:
+            event["index"] = len(self.events)
             self.events.append(event)
             if event["type"] in ("failure", "resize"):
                 self._unsettled.append(event)
-        self._publish()
+            self.tracker.event.remote(dict(event))
+        else:
+            for ev in self.events:
+                self.tracker.update_event.remote(ev["index"], dict(ev))
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until everything recorded so far is in MLflow (the controller calls it
-        before it finishes, so the driver reads the complete lists)."""
-        pub = getattr(self, "_publisher", None)
-        if pub is not None:
-            pub.flush(timeout_s)
+        """Wait until the tracker has everything sent so far (the controller calls it
+        before it finishes, so the driver reads complete lists)."""
+        import ray
 
-    def _publish(self) -> None:
-        # A background writer: importing mlflow and opening the store costs ~4 s in the
-        # controller, which would otherwise sit between the controller's start and the
-        # first worker group (measured with PYTHONPROFILEIMPORTTIME). Each write sends
-        # the latest lists, so a burst of events costs one or two writes.
-        if getattr(self, "_publisher", None) is None:
-            self._publisher = _Publisher(self)
-        self._publisher.poke()
-
-    def _write(self) -> None:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(self.tracking_uri)
-        if self.events:
-            client.log_text(self.run_id, json.dumps(self.events, indent=1), EVENTS_ARTIFACT)
-        if self.timeline:
-            client.log_text(self.run_id, json.dumps(self.timeline, indent=1), TIMELINE_ARTIFACT)
-
-    def __getstate__(self):
-        # Built on the driver, pickled to the controller: the writer thread is per process.
-        state = dict(self.__dict__)
-        state.pop("_publisher", None)
-        return state
-
-
-class _Publisher:
-    """One daemon thread that writes the sink's lists whenever poked; ``flush`` waits
-    until the writes requested so far are done. Tracking never kills training: a failed
-    write is dropped (the next poke writes everything again)."""
-
-    def __init__(self, sink: ElasticEvents):
-        self.sink = sink
-        self.cv = threading.Condition()
-        self.requested = self.done = 0
-        threading.Thread(target=self._loop, name="events-publisher", daemon=True).start()
-
-    def poke(self) -> None:
-        with self.cv:
-            self.requested += 1
-            self.cv.notify_all()
-
-    def flush(self, timeout_s: float) -> None:
-        with self.cv:
-            target = self.requested
-            self.cv.wait_for(lambda: self.done >= target, timeout=timeout_s)
-
-    def _loop(self) -> None:
-        while True:
-            with self.cv:
-                self.cv.wait_for(lambda: self.requested > self.done)
-                target = self.requested
-            try:
-                self.sink._write()
-            except Exception:  # noqa: BLE001 - tracking must never kill training
-                pass
-            with self.cv:
-                self.done = target
-                self.cv.notify_all()
+        try:
+            ray.get(self.tracker.snapshot.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - tracking must never fail the run
+            pass
 
 
 class ControllerEvents(ControllerCallback, WorkerGroupCallback):

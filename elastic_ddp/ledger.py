@@ -4,7 +4,7 @@
     report = audit("runs/ledger", all_ids=train_info.sample_ids, epochs=15)
     print(format_audit(report))
 
-The worker's ``_Ledger`` (``train(cfg, ledger_dir=...)``) writes one file per
+:class:`LedgerWriter` (``train(cfg, ledger_dir=...)``) writes one file per
 (attempt, rank), ``attempt-<t_ns>-<hex>-rank<r>.jsonl``: a header line
 ``{"header": true, "attempt", "rank", "world_size", "resumed_from", "t"}`` (``attempt`` is
 an id shared by the ranks of one worker group, ``t`` the wall-clock start in seconds),
@@ -25,6 +25,8 @@ ranks ran the same number of steps (else a collective would have hung).
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,3 +214,44 @@ def recomputed_after(attempts: list[Attempt], t: float) -> Optional[dict]:
     reached = max((s for rows in a.steps.values() for _, s, _ in rows), default=a.resumed_from)
     return {"attempt": before[-1], "reached_step": reached, "resumed_from": nxt.resumed_from,
             "steps_recomputed": max(0, reached - nxt.resumed_from)}
+
+
+class LedgerWriter:
+    """Record of the sample ids each rank trained on, one JSON line per step, one file
+    per (attempt, rank); audited by :func:`audit`. Off unless ``train(..., ledger_dir=...)``
+    is set (costs a JSON line of ids per step).
+
+    The header's ``attempt`` id is drawn by rank 0 and broadcast (one small gloo/NCCL
+    collective per attempt, only when the ledger is on), so the audit can group the
+    ranks of one worker group without trusting clocks.
+    """
+
+    def __init__(self, directory: Optional[str], rank: int, resumed_from: Optional[int], ws: int):
+        self._f = None
+        if directory:
+            import torch.distributed as dist
+
+            attempt = [uuid.uuid4().hex[:12]]
+            if dist.is_available() and dist.is_initialized() and ws > 1:
+                dist.broadcast_object_list(attempt, src=0)
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            name = f"attempt-{time.time_ns()}-{attempt[0]}-rank{rank}.jsonl"
+            self._f = open(Path(directory) / name, "w")
+            self._f.write(json.dumps({"header": True, "attempt": attempt[0], "rank": rank,
+                                      "world_size": ws, "resumed_from": resumed_from or 0,
+                                      "t": time.time()}) + "\n")
+            self._f.flush()
+
+    def record(self, epoch: int, step: int, ids: np.ndarray, skipped: bool = False) -> None:
+        """The ids this rank computed in ``step``; ``skipped``: the step's update was
+        dropped (non-finite gradient), its samples consumed but not learned from."""
+        if self._f:
+            rec = {"epoch": epoch, "step": step, "ids": ids.tolist()}
+            if skipped:
+                rec["skipped"] = True
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()

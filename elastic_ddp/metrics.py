@@ -218,3 +218,108 @@ def reduce_mean_max(per_rank: Mapping[str, float], world_size: int,
         stats[f"{k}_min"] = -m_l[len(names) + i]
     sums = {k: s_l[len(names) + j] for j, k in enumerate(sum_names)}
     return stats, sums
+
+
+class StepWindow:
+    """Per-rank sums between two metric logs; ``reduce`` all-reduces them (two small
+    collectives, a sync point paid only on log steps).
+
+    Logged (``elastic_ddp.metrics`` has the formulas; ``*_mean``/``*_max`` over ranks,
+    seconds per optimizer step unless noted): step_time_s, data_wait_s, fwd_bwd_s
+    (forward+backward, overlapped all-reduce inside), allreduce_exposed_s (the part
+    backward did not hide), optimizer_s, allreduce_s (one whole un-overlapped all-reduce,
+    probe windows only; plus _min), peak_mem_mib (RSS high-water mark on CPU,
+    max_memory_allocated on GPU); train_loss and train_<name> for each per-sample metric
+    the task's loss returns (means over the window's rows); and samples_per_s
+    (tokens_per_s for sequence tasks) over the
+    slowest rank's step time, data_wait_frac, grad_bytes, allreduce_bytes_per_step
+    (ring: 2(N-1)/N x grad bytes per rank), allreduce_busbw_GBps (ring bytes over the
+    fastest rank's whole all-reduce time, 1e9 bytes/s).
+    """
+
+    def __init__(self):
+        self.loss_sum = 0.0
+        self.metric_sums: dict[str, float] = {}
+        self.count = self.steps = 0
+        self.step_s = 0.0
+        self.data_s = 0.0   # host-side data time outside the step (epoch pipeline starts)
+        self.samples = 0
+        self.lr = 0.0
+        self.micro: dict[str, int] = {}
+        self.probes = 0
+        self.grad_bytes: Optional[int] = None
+        self.tokens_per_sample: Optional[int] = None
+        self._clock: Optional[PhaseClock] = None
+
+    def clock(self, device) -> PhaseClock:
+        if self._clock is None:
+            self._clock = PhaseClock(device)
+        return self._clock
+
+    def add_rows(self, loss_sum: float, metric_sums: Mapping[str, float], count: int) -> None:
+        """One micro-batch's sums over its rows (loss and the task's per-sample metrics)."""
+        self.loss_sum += loss_sum
+        for k, v in metric_sums.items():
+            self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
+        self.count += count
+
+    def add(self, n_rows: int, dt: float, lr: float) -> None:
+        """One optimizer step of ``n_rows`` global rows that took ``dt`` seconds here."""
+        self.steps += 1
+        self.samples += n_rows
+        self.step_s += dt
+        self.lr = lr
+
+    def reduce(self, ws: int, device) -> dict[str, float]:
+        ph = self._clock.collect() if self._clock is not None else {}
+        n = max(1, self.steps)
+        fb_total = ph.get("fb", 0.0) + ph.get("fb_sync", 0.0) + ph.get("fb_nosync", 0.0)
+        probe_s = ph.get("allreduce_probe", 0.0)
+        per_rank = {
+            "step_time_s": self.step_s / n,
+            "data_wait_s": (ph.get("data", 0.0) + self.data_s) / n,
+            "fwd_bwd_s": (fb_total + probe_s) / n,
+            "optimizer_s": ph.get("opt", 0.0) / n,
+            "peak_mem_mib": peak_memory_bytes(device) / 2**20,
+        }
+        # Which keys exist depends only on (world size, plan, step numbers), the same on
+        # every rank, so all ranks send the same vector.
+        n_sync, n_nosync = self.micro.get("fb_sync", 0), self.micro.get("fb_nosync", 0)
+        if ws == 1:
+            per_rank["allreduce_exposed_s"] = 0.0
+        elif n_sync and n_nosync:
+            est = exposed_allreduce_s(ph["fb_sync"] / n_sync, ph["fb_nosync"] / n_nosync)
+            per_rank["allreduce_exposed_s"] = (est * n_sync + probe_s) / n
+        if self.probes:
+            per_rank["allreduce_s"] = probe_s / self.probes
+        # Sorted: every rank must send the same keys in the same order.
+        names = sorted(self.metric_sums)
+        stats, sums = reduce_mean_max(
+            per_rank, ws, device,
+            extra_sums={"loss_sum": self.loss_sum, "count": float(self.count),
+                        **{f"m_{k}": self.metric_sums[k] for k in names}})
+        count = max(1.0, sums["count"])
+        step_s_max = stats["step_time_s_max"] * n
+        out = {k: v for k, v in stats.items() if not k.endswith("_min")}
+        out.update({
+            "train_loss": sums["loss_sum"] / count,
+            **{f"train_{k}": sums[f"m_{k}"] / count for k in names},
+            "lr": self.lr,
+            # The slowest rank sets the pace of a synchronous step.
+            "samples_per_s": throughput(self.samples, step_s_max),
+            "step_time_s": stats["step_time_s_max"],
+            "data_wait_frac": stats["data_wait_s_max"] / max(1e-12, stats["step_time_s_max"]),
+        })
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = throughput(self.samples * self.tokens_per_sample, step_s_max)
+        if self.grad_bytes is not None:
+            out["grad_bytes"] = float(self.grad_bytes)
+            out["allreduce_bytes_per_step"] = ring_allreduce_bytes(self.grad_bytes, ws)
+        if "allreduce_s_min" in stats:
+            out["allreduce_s_min"] = stats["allreduce_s_min"]
+            # The last rank to enter the collective waits only for the transfer; the
+            # others also wait for it to arrive, so the fastest rank's time is the link's.
+            bw = bus_bandwidth(self.grad_bytes or 0, ws, stats["allreduce_s_min"])
+            if not math.isnan(bw):
+                out["allreduce_busbw_GBps"] = bw / 1e9
+        return out

@@ -1,7 +1,8 @@
 """Data-parallel strategies behind one interface: ``ddp`` (default), ``zero1`` and ``fsdp``.
 
     strategy = build_strategy(cfg, model, device, world_size)
-    with strategy.maybe_no_sync(last_micro_step):
+    ctx, kind = strategy.micro_step(last_micro_step, probe=False)
+    with ctx:
         loss.backward()
     strategy.clip_grad_norm(max_norm); strategy.optimizer.step()
     full = strategy.full_state()           # collective: every rank calls it; rank 0 gets the dicts
@@ -80,17 +81,48 @@ class Strategy:
         self.hook_state: Any = None
 
     # -- the loop's hooks --------------------------------------------------------------
+    #: Whether evaluation must run the same number of forward passes on every rank, empty
+    #: batches included (a forward with collectives inside: FSDP's all-gathers).
+    collective_forward = False
+
     def maybe_no_sync(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
         """DDP's ``no_sync`` on every micro-step but the last: gradients accumulate locally
         and one all-reduce runs at the end (saves grad_accum_steps-1 all-reduces)."""
-        if last_micro_step or not hasattr(self.model, "no_sync"):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
+        return contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float) -> Optional[float]:
-        if max_norm <= 0:
-            return None
-        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+    def micro_step(self, last: bool, probe: bool) -> tuple[contextlib.AbstractContextManager, str]:
+        """The context of one micro-step's forward+backward and its timing kind: ``fb_sync``
+        (DDP's overlapped all-reduce inside), ``fb_nosync`` (no all-reduce: accumulation,
+        or a probe step whose all-reduce runs afterwards), or ``fb`` (no DDP)."""
+        return self.maybe_no_sync(last), "fb"
+
+    @property
+    def can_probe(self) -> bool:
+        """Whether a probe step may replace DDP's overlapped all-reduce by an explicit
+        one (plain DDP, several ranks, no compression hook: the same maths)."""
+        return False
+
+    def allreduce_gradients(self) -> None:
+        """The probe's explicit gradient average (see ``can_probe``)."""
+        _allreduce_gradients(self.model, self.world_size)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip to ``max_norm`` (0: no clipping) and return the global gradient norm
+        before clipping (nan/inf when a gradient is not finite). After the all-reduce
+        every rank holds the same gradient (or the norm is all-reduced), so every rank
+        gets the same norm and takes the same skip decision without a collective."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0
+
+    def check_params_equal(self, step: int) -> None:
+        """Compare a parameter checksum across ranks (two tiny all-reduces).
+
+        Raises:
+            RuntimeError: ranks hold different parameters (a bug or silent corruption).
+        """
+        check_params_equal(self.module, step)
 
     # -- checkpoint state ----------------------------------------------------------------
     def full_state(self, rank: int) -> dict[str, Any]:
@@ -131,6 +163,21 @@ class DDPStrategy(Strategy):
             )
             self._register_comm_hook(p.comm_hook)
         self.optimizer = build_optimizer(cfg, module.parameters(), zero=zero and self.distributed)
+
+    def maybe_no_sync(self, last_micro_step: bool):
+        if last_micro_step or not self.distributed:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def micro_step(self, last: bool, probe: bool):
+        if not self.distributed:
+            return contextlib.nullcontext(), "fb"
+        syncing = last and not (probe and self.can_probe)
+        return (contextlib.nullcontext(), "fb_sync") if syncing else (self.model.no_sync(), "fb_nosync")
+
+    @property
+    def can_probe(self) -> bool:
+        return self.distributed and self.cfg.parallel.comm_hook == "none"
 
     def _register_comm_hook(self, hook: str) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -197,12 +244,20 @@ class FSDPStrategy(Strategy):
         self.model.set_requires_gradient_sync(last_micro_step)
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float) -> Optional[float]:
-        if max_norm <= 0:
-            return None
+    @property
+    def collective_forward(self) -> bool:
+        return self.distributed
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if not self.distributed:
+            return super().clip_grad_norm(max_norm)
         # DTensor-aware: the norm is computed over the sharded gradients (an all-reduce).
-        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm).full_tensor()
-                     if self.distributed else torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def check_params_equal(self, step: int) -> None:
+        return  # fsdp ranks hold different shards by design
 
     def full_state(self, rank: int) -> dict[str, Any]:
         if not self.distributed:
@@ -225,6 +280,39 @@ class FSDPStrategy(Strategy):
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         set_model_state_dict(self.module, state["model"], options=opts)
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=opts)
+
+
+def _allreduce_gradients(model: nn.Module, ws: int) -> None:
+    """Average gradients over ranks by hand, as DDP's default comm hook does (divide by
+    ws, then all-reduce SUM), in one flat buffer per dtype -- one collective, like one
+    big DDP bucket, so its time is the whole all-reduce. Costs a gradient-sized copy."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        group = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in group]).div_(ws)
+        dist.all_reduce(flat)
+        offset = 0
+        for g in group:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def check_params_equal(model: nn.Module, step: int) -> None:
+    """All-reduce MIN and MAX of a float64 parameter checksum; unequal means ranks
+    diverged (a bug or a silent corruption). Costs two tiny all-reduces.
+
+    Raises:
+        RuntimeError: the checksums differ across ranks.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    s = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+    lo, hi = s.clone().reshape(1), s.clone().reshape(1)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    if lo.item() != hi.item():
+        raise RuntimeError(f"parameter checksum differs across ranks at step {step}: "
+                           f"min {lo.item()!r} max {hi.item()!r}")
 
 
 def _bf16_compress(state, bucket):

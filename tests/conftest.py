@@ -72,8 +72,10 @@ def digits_config(data_dir: Path, tmp: Path, extra: Optional[dict] = None) -> di
     raw: dict[str, Any] = {
         "seed": 0,
         "data": {"train_path": str(data_dir / "train"), "val_path": str(data_dir / "val"),
-                 "feature_column": "x", "label_column": "y", "id_column": "sample_id"},
-        "model": {"name": "cnn", "input_shape": [1, 8, 8], "num_classes": 10, "hidden": 32},
+                 "id_column": "sample_id"},
+        "task": {"kwargs": {"feature_column": "x", "label_column": "y", "num_classes": 10,
+                            "input_shape": [1, 8, 8]}},
+        "model": {"name": "cnn", "kwargs": {"hidden": 32}},
         "optim": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "warmup_steps": 5,
                   "min_lr_ratio": 0.05},
         "batch": {"global_batch_size": 64, "micro_batch_size": 32, "policy": "fixed_global"},
@@ -92,9 +94,8 @@ def pycode_config(data_dir: Path, tmp: Path, extra: Optional[dict] = None) -> di
     """A tiny byte-level gpt job on ``pycode_data`` (64-token context), MLflow and Ray
     storage under ``tmp``."""
     raw = digits_config(data_dir, tmp)
-    raw["data"]["label_column"] = None
-    raw["model"] = {"name": "gpt", "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 64,
-                    "vocab_size": 256}
+    raw["task"] = {"kwargs": {"column": "x", "vocab_size": 256, "block_size": 64}}
+    raw["model"] = {"name": "gpt", "kwargs": {"n_layer": 1, "n_head": 2, "n_embd": 64}}
     raw["optim"] = {"name": "adamw", "lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 0.1}
     raw["batch"] = {"global_batch_size": 32, "micro_batch_size": 16, "policy": "fixed_global"}
     raw["train"] = {"epochs": 1, "max_steps": 40, "checkpoint_every_steps": 100,

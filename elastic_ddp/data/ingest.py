@@ -1,0 +1,324 @@
+"""Per-rank ingest: Ray Data reads this rank's rows of the epoch order and runs the task's
+transform; a reader hands the trainer the rows of each step.
+
+    reader = open_train_reader(info, task, cfg, rank, world_size, epoch, cursor)
+    rows = reader.take(cursor, n_rows)         # {column: [rows of this rank, ...]}
+
+Each rank builds its own pipeline per epoch, ``read_datasource(WindowSource) ->
+map_batches(task.transform)``, executed by Ray Data's streaming executor (read and
+transform tasks with prefetch and back-pressure, ``preserve_order`` on so windows arrive
+in the order the rank needs them). A read task reads one window: the row groups of its
+pieces (only the task's columns), cast to the scanned schema, rows permuted.
+
+- windowed order: a rank reads only its own partitions' windows, starting at the window
+  that holds the cursor (a restart re-reads at most one window per partition), and
+  keeps about two windows per owned partition.
+- permutation order (small data sets): a rank streams every row group and keeps the rows
+  of its share of the rest of the epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
+from elastic_ddp.data.scan import DataError, DatasetInfo
+from elastic_ddp.tasks.protocol import Task, TransformContext
+
+SEQ = "_edp_seq"  # bookkeeping column: which read item a row came from
+
+
+class TransformError(DataError):
+    """``Task.transform`` broke the contract (not a dict, or not one row per input row)."""
+
+
+def epoch_order(info: DatasetInfo, cfg, epoch: int) -> EpochOrder:
+    """The order of ``epoch`` for a config (``elastic_ddp.config.Config``)."""
+    return EpochOrder(info.row_groups, cfg.seed, epoch, cfg.partitions,
+                      cfg.data.shuffle_window_rows, cfg.data.block_rows, cfg.data.order)
+
+
+# ------------------------------------------------------------------ Ray Data pieces
+def _read_window(files: list[str], schema: pa.Schema, seq: int, window: Window) -> list[pa.Table]:
+    tables, cache = [], {}
+    for pc in window.pieces:
+        key = (pc.file, pc.index)
+        if key not in cache:
+            t = pq.ParquetFile(files[pc.file]).read_row_group(pc.index, columns=schema.names)
+            cache[key] = t.select(schema.names).cast(schema)
+        tables.append(cache[key].slice(pc.start, pc.num_rows))
+    t = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    if window.key:
+        t = t.take(pa.array(window.permutation()))
+    return [t.append_column(SEQ, pa.array(np.full(t.num_rows, seq, dtype=np.int64)))]
+
+
+def window_source(files: list[str], schema: pa.Schema, windows: list[Window]):
+    """A Ray Data ``Datasource`` with one read task per window, in ``windows`` order."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class WindowSource(Datasource):
+        def estimate_inmemory_data_size(self) -> Optional[int]:
+            return None
+
+        def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+            return [ReadTask(functools.partial(_read_window, files, schema, seq, w),
+                             BlockMetadata(num_rows=w.num_rows, size_bytes=None,
+                                           input_files=None, exec_stats=None))
+                    for seq, w in enumerate(windows)]
+
+        def get_name(self) -> str:
+            return "ElasticDDPWindows"
+
+    return WindowSource()
+
+
+class _Transform:
+    """The task's transform as a Ray Data batch function: checks the one-row-per-row
+    contract and carries the id and bookkeeping columns through."""
+
+    def __init__(self, task: Task, seed: int, epoch: int, split: str, id_column: str):
+        self.task, self.seed, self.epoch, self.split, self.id_column = task, seed, epoch, split, id_column
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = np.asarray(batch[self.id_column])
+        seq = batch.pop(SEQ)
+        out = self.task.transform(batch, TransformContext(self.seed, self.epoch, self.split, ids))
+        if not isinstance(out, dict):
+            raise TransformError(f"{type(self.task).__name__}.transform returned a "
+                                 f"{type(out).__name__}, not a dict of column arrays")
+        for k, v in out.items():
+            if len(v) != len(ids):
+                raise TransformError(
+                    f"{type(self.task).__name__}.transform returned {len(v)} rows in column "
+                    f"{k!r} for {len(ids)} input rows; it must return one row per input row, "
+                    "in order (filter bad samples out of the Parquet files instead)")
+        out = dict(out)
+        out[self.id_column] = ids
+        out[SEQ] = seq
+        return out
+
+
+def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, epoch: int,
+             split: str) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy batches of ``windows`` (in that order) after the task's transform."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    # Read tasks on this rank's node: a window travels through the local object store.
+    ctx.execution_options.locality_with_output = True
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    if not windows:
+        return iter(())
+    ds = ray.data.read_datasource(window_source(info.files, info.schema, windows),
+                                  override_num_blocks=len(windows))
+    ds = ds.map_batches(_Transform(task, seed, epoch, split, info.id_column), batch_size=None,
+                        batch_format="numpy", zero_copy_batch=False)
+    return ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
+
+
+def _concat(parts: list[dict[str, np.ndarray]], template: Optional[dict] = None) -> dict[str, np.ndarray]:
+    parts = [p for p in parts if len(next(iter(p.values()), ()))]
+    if not parts:
+        return {k: v[:0] for k, v in (template or {}).items()}
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for k in parts[0]:
+        arrs = [p[k] for p in parts]
+        if any(a.dtype == object for a in arrs) or len({a.shape[1:] for a in arrs}) > 1:
+            merged = np.empty(sum(len(a) for a in arrs), dtype=object)
+            i = 0
+            for a in arrs:
+                for v in a:
+                    merged[i] = v
+                    i += 1
+            out[k] = merged
+        else:
+            out[k] = np.concatenate(arrs)
+    return out
+
+
+def _take(arrays: dict[str, np.ndarray], idx) -> dict[str, np.ndarray]:
+    return {k: v[idx] for k, v in arrays.items()}
+
+
+# ------------------------------------------------------------------------- readers
+class WindowedReader:
+    """This rank's rows of the steps of one epoch, windowed order."""
+
+    def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
+                 world_size: int, cursor: int):
+        self.order, self.rank, self.world_size = order, rank, world_size
+        self.windows = order.rank_windows(rank, world_size, cursor)
+        self.bytes_read = _bytes(info, self.windows)
+        self._it = iter(pipeline(info, task, self.windows, order.seed, order.epoch, "train"))
+        self._next = 0                                  # next window seq to complete
+        self._partial: list[dict[str, np.ndarray]] = []
+        self._have = 0
+        self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
+        self.template: Optional[dict] = None
+
+    def take(self, cursor: int, n_rows: int) -> dict[str, np.ndarray]:
+        """Rows of this rank in the step over global positions ``[cursor, cursor + n)``,
+        partition by partition."""
+        parts = []
+        for p, a, b in self.order.segments(cursor, n_rows):
+            if owner(p, self.order.partitions, self.world_size) == self.rank:
+                parts.append(self._rows(p, a, b))
+        return _concat(parts, self.template)
+
+    def _rows(self, p: int, a: int, b: int) -> dict[str, np.ndarray]:
+        while not any(w.first + w.num_rows >= b for w, _ in self._buf.get(p, [])):
+            self._pull()
+        parts = []
+        for w, arrs in self._buf[p]:
+            lo, hi = max(a, w.first), min(b, w.first + w.num_rows)
+            if hi > lo:
+                parts.append({k: v[lo - w.first:hi - w.first] for k, v in arrs.items()})
+        # Later steps only ask for offsets >= b: drop what is used up.
+        self._buf[p] = [(w, arrs) for w, arrs in self._buf[p] if w.first + w.num_rows > b]
+        return _concat(parts, self.template)
+
+    def _pull(self) -> None:
+        if self._next >= len(self.windows):
+            raise RuntimeError("the epoch's pipeline ended before this rank's rows did (a bug)")
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise RuntimeError(f"the data pipeline ended after {self._next} of "
+                               f"{len(self.windows)} windows") from None
+        seq = batch.pop(SEQ)
+        if len(seq) and (seq[0] != self._next or seq[-1] != self._next):
+            raise RuntimeError(f"data pipeline out of order: got windows {seq[0]}..{seq[-1]}, "
+                               f"expected {self._next}")
+        if self.template is None:
+            self.template = {k: v[:0] for k, v in batch.items()}
+        self._partial.append(batch)
+        self._have += len(seq)
+        w = self.windows[self._next]
+        if self._have >= w.num_rows:
+            self._buf.setdefault(w.partition, []).append((w, _concat(self._partial)))
+            self._partial, self._have = [], 0
+            self._next += 1
+
+
+class PermutationReader:
+    """This rank's rows of one epoch, permutation order: every row group is streamed and
+    the rows of this rank's positional share of ``[cursor, N)`` are kept (memory: N /
+    world_size rows; reads: the whole data set per rank)."""
+
+    def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
+                 world_size: int, cursor: int, global_batch_size: int,
+                 rows_per_rank: Optional[list[int]] = None):
+        self.order, self.rank, self.world_size = order, rank, world_size
+        self.g, self.rows_per_rank = global_batch_size, rows_per_rank
+        mine = [self._positions(c) for c in range(cursor, order.num_rows, global_batch_size)]
+        pos = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+        self._wanted = np.sort(order.permutation[pos])
+        windows = [Window(0, 0, (Piece(g.file, g.index, 0, g.num_rows),), g.num_rows, ())
+                   for g in info.row_groups]
+        self.bytes_read = _bytes(info, windows)
+        self._starts = np.cumsum([0] + [g.num_rows for g in info.row_groups])
+        self._windows = windows
+        self._source = (info, task)
+        self._rows: Optional[np.ndarray] = None
+        self._data: dict[str, np.ndarray] = {}
+        self.template: Optional[dict] = None
+
+    def _positions(self, cursor: int) -> np.ndarray:
+        n = min(self.g, self.order.num_rows - cursor)
+        rows = self.order.rank_rows(cursor, n, self.world_size, self.rows_per_rank)
+        start = cursor + sum(rows[:self.rank])
+        return np.arange(start, start + rows[self.rank], dtype=np.int64)
+
+    def _load(self) -> None:
+        info, task = self._source
+        kept_rows, kept = [], []
+        for batch in pipeline(info, task, self._windows, self.order.seed, self.order.epoch, "train"):
+            seq = batch.pop(SEQ)
+            if self.template is None:
+                self.template = {k: v[:0] for k, v in batch.items()}
+            if not len(seq):
+                continue
+            # The row group's rows in file order: global row index = start + offset.
+            first = int(self._starts[seq[0]])
+            offsets = np.arange(len(seq)) + first - np.searchsorted(seq, seq[0])
+            hit = np.isin(offsets, self._wanted, assume_unique=True)
+            if hit.any():
+                kept_rows.append(offsets[hit])
+                kept.append(_take(batch, hit))
+        self._rows = np.concatenate(kept_rows) if kept_rows else np.zeros(0, np.int64)
+        order = np.argsort(self._rows)
+        self._rows = self._rows[order]
+        self._data = _take(_concat(kept, self.template), order) if kept else dict(self.template or {})
+
+    def take(self, cursor: int, n_rows: int) -> dict[str, np.ndarray]:
+        if self._rows is None:
+            self._load()
+        rows = self.order.permutation[self._positions(cursor)]
+        return _take(self._data, np.searchsorted(self._rows, rows))
+
+
+def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size: int,
+                      epoch: int, cursor: int, global_batch_size: int,
+                      rows_per_rank: Optional[list[int]] = None):
+    """The reader of this rank for ``epoch`` from ``cursor`` (see the module docstring)."""
+    order = epoch_order(info, cfg, epoch)
+    if order.mode == "permutation":
+        return order, PermutationReader(info, task, order, rank, world_size, cursor,
+                                        global_batch_size, rows_per_rank)
+    return order, WindowedReader(info, task, order, rank, world_size, cursor)
+
+
+def val_batches(info: DatasetInfo, task: Task, seed: int, epoch: int, rank: int,
+                world_size: int, batch_size: int, n_batches: int,
+                template: dict[str, Any]) -> Iterator[dict[str, np.ndarray]]:
+    """Exactly ``n_batches`` batches of at most ``batch_size`` rows of this rank's
+    contiguous share of the validation split (rows ``[r N / ws, (r + 1) N / ws)`` in file
+    order), transformed with ``split="val"``; empty batches (shaped like ``template``)
+    once the share is used up, so every rank runs the same number of forward passes."""
+    n = info.num_rows
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    hi = min(hi, lo + batch_size * n_batches)
+    windows, start = [], 0
+    for g in info.row_groups:
+        a, b = max(lo, start), min(hi, start + g.num_rows)
+        if b > a:
+            windows.append(Window(0, 0, (Piece(g.file, g.index, a - start, b - start),), b - a, ()))
+        start += g.num_rows
+    buf: list[dict[str, np.ndarray]] = []
+    have = sent = 0
+    for batch in pipeline(info, task, windows, seed, epoch, "val"):
+        batch.pop(SEQ)
+        buf.append(batch)
+        have += len(batch[info.id_column])
+        while have >= batch_size and sent < n_batches:
+            merged = _concat(buf, template)
+            yield _take(merged, slice(0, batch_size))
+            buf = [_take(merged, slice(batch_size, None))]
+            have -= batch_size
+            sent += 1
+    if have and sent < n_batches:
+        yield _concat(buf, template)
+        sent += 1
+    empty = {k: v[:0] for k, v in template.items()}
+    for _ in range(n_batches - sent):
+        yield empty
+
+
+def _bytes(info: DatasetInfo, windows: list[Window]) -> int:
+    """Compressed bytes the read tasks of ``windows`` read: each window reads each of its
+    row groups once (only the task's columns)."""
+    size = {(g.file, g.index): g.nbytes for g in info.row_groups}
+    return sum(size[k] for w in windows for k in {(pc.file, pc.index) for pc in w.pieces})

@@ -1,0 +1,71 @@
+"""TEST HOOKS: faults injected into real worker processes (a rank SIGKILLs itself, dies
+inside a checkpoint write, or raises a deterministic error), so that the elastic tests
+and experiments exercise real failures. Set only through ``train(..., fault=...)``; a
+job without it pays one ``None`` check per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+
+class Fault:
+    """TEST HOOK: fault injection in real processes (``job["fault"]``, set only by
+    ``launcher.train(..., fault=...)``; None makes every method a no-op).
+
+    ``{"rank": r, "at_step": k, "where": "step" | "checkpoint_write" | "error",
+    "marker": "/path/fired"}``:
+
+    - ``step``: rank r SIGKILLs itself just before computing step k (its peers block in
+      that step's all-reduce: a worker dying mid-step as seen by the group).
+    - ``checkpoint_write``: rank r (must be 0, the only writer) SIGKILLs itself inside
+      ``save_state`` of the checkpoint at step k, after half of ``state.pt.tmp`` is on
+      disk and before the ``os.replace``.
+    - ``error``: rank r raises ``ValueError`` at step k on every attempt (a deterministic
+      user error).
+
+    A kill fires once per job: it creates ``marker`` first and never fires while the
+    marker exists (a restarted attempt passes step k again). ``error`` ignores the marker
+    for firing but creates it, so a test can see that it ran.
+    """
+
+    def __init__(self, spec: Optional[dict], rank: int):
+        self.spec = spec if spec and int(spec.get("rank", 0)) == rank else None
+
+    def _arm(self, where: str, step: int) -> bool:
+        s = self.spec
+        if s is None or s.get("where") != where or int(s["at_step"]) != step:
+            return False
+        marker = Path(s["marker"])
+        if where != "error" and marker.exists():
+            return False
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"t": time.time(), "step": step, "where": where,
+                                      "pid": os.getpid()}))
+        return True
+
+    def at_step(self, step: int) -> None:
+        """Before computing ``step`` (counted from 1): kill or raise when armed here."""
+        if self._arm("error", step):
+            raise ValueError(f"injected deterministic error at step {step}")
+        if self._arm("step", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint_hook(self, step: int):
+        """The ``save_state(before_replace=...)`` hook for the checkpoint at ``step``, or None."""
+        if self.spec is None or self.spec.get("where") != "checkpoint_write" \
+                or int(self.spec["at_step"]) != step:
+            return None
+
+        def hook(tmp: Path) -> None:
+            if self._arm("checkpoint_write", step):
+                # Leave a half-written file, as a crash inside torch.save would.
+                with open(tmp, "r+b") as f:
+                    f.truncate(max(1, tmp.stat().st_size // 2))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return hook

@@ -1,0 +1,216 @@
+"""What a person sees of a job: the progress line, the closing summary, goodput (its one
+definition), recovery times of restart events, and the command-to-first-step profile.
+Reads the tracker actor's in-memory record (``tracking.JobTracker.snapshot``), never
+MLflow metric histories.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class Summary:
+    """What a finished job reports (also logged to MLflow as ``summary.json``).
+
+    Attributes:
+        metrics: the final ``val_*`` metrics.
+        steps, epochs: optimizer steps and epochs done.
+        wall_s: seconds from the job's first start (its MLflow run's start) to the end.
+        goodput: see :func:`goodput`.
+        events: restart events with ``recovery_s``, ``resumed_at_step``, ``steps_recomputed``.
+        startup: command-to-first-step phases in seconds (:func:`startup_breakdown`).
+        tracking: metrics delayed or dropped while the store was unavailable.
+    """
+
+    run_id: str
+    tracking_uri: str
+    experiment_id: str
+    metrics: dict[str, float]
+    steps: int
+    epochs: int
+    wall_s: float
+    world_sizes_seen: list[int]
+    restarts: int
+    goodput: float
+    events: list[dict] = field(default_factory=list)
+    startup: dict[str, float] = field(default_factory=dict)
+    checkpoint_path: Optional[str] = None
+    mlflow_ui_command: str = ""
+    skipped_steps: int = 0
+    tracking: dict[str, Any] = field(default_factory=dict)
+
+
+def goodput(committed_train_s: float, wall_s: float) -> float:
+    """Goodput = seconds spent in training steps that a checkpoint committed / wall
+    seconds since the job's first start (start-up, evaluation, checkpoint writes,
+    recomputed steps and restarts all count against it). The same definition as
+    Google's "ML goodput" (productive training time over elapsed time; Google Cloud,
+    "Goodput: measuring ML productivity", 2024) at step granularity."""
+    return committed_train_s / max(1e-9, wall_s)
+
+
+def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> list[dict]:
+    """The controller's events joined with the attempts' first-step times.
+
+    Per event: ``recovery_s`` = first step of the next attempt - the event's time
+    (worker start, checkpoint load, data and the first step included);
+    ``resumed_at_step``; ``steps_recomputed`` = steps the failed attempt ran past the
+    checkpoint the next one resumed from. From the ledger (``ledger_attempts``,
+    ``elastic_ddp.ledger.read_attempts``) it is exact; without it, a lower bound from the
+    steps the tracker saw (logged every ``train.log_every_steps``).
+    """
+    events = [dict(e) for e in snapshot.get("events", [])]
+    attempts = sorted((a for a in snapshot.get("attempts", []) if "first_step" in a),
+                      key=lambda a: a["first_step"])
+    prev_attempt = None
+    for ev in events:
+        nxt = [a for a in attempts if a["first_step"] > ev["t"]]
+        if not nxt:
+            continue
+        ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
+        ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))
+        ev["steps_recomputed"] = max(0, int(ev.get("last_step_seen", 0)) - ev["resumed_at_step"])
+        if ledger_attempts:
+            from elastic_ddp.ledger import recomputed_after
+
+            exact = recomputed_after(ledger_attempts, ev["t"])
+            if exact is not None and exact["resumed_from"] == ev["resumed_at_step"]:
+                ev["steps_recomputed"] = 0 if exact["attempt"] == prev_attempt else exact["steps_recomputed"]
+                prev_attempt = exact["attempt"]
+    return events
+
+
+# (phase, from mark, to mark): consecutive, so the phases add up to the total.
+STARTUP_PHASES = (
+    ("imports_s", "process_start", "train_called"),      # interpreter + imports
+    ("scan_s", "train_called", "scanned"),               # footers, task dry run
+    ("ray_init_s", "scanned", "ray_ready"),             # MLflow run, imports beside it
+    ("driver_setup_s", "ray_ready", "fit_called"),      # tracker actor, trainer build
+    ("controller_s", "fit_called", "controller_started"),  # controller actor + imports
+    ("scheduling_s", "controller_started", "worker_group_starting"),
+    ("worker_group_s", "worker_group_starting", "worker_group_started"),  # actors + process group
+    ("train_fn_launch_s", "worker_group_started", "enter"),
+    ("model_data_s", "enter", "ready"),                  # model, checkpoint load
+    ("first_step_s", "ready", "first_step"),             # data pipeline + the first step
+)
+
+
+def startup_breakdown(snapshot: dict, marks: dict) -> dict[str, float]:
+    """Seconds from the command's start to the end of the first optimizer step of the
+    first attempt this process launched, split into :data:`STARTUP_PHASES` (driver
+    marks, the controller's timeline, rank 0's attempt marks). Phases whose marks are
+    missing are left out; ``total_s`` is always the whole span. {} when no step ran."""
+    if "fit_called" not in marks:
+        return {}
+    fit = marks["fit_called"]
+    attempts = sorted((a for a in snapshot.get("attempts", [])
+                       if a.get("first_step", 0) >= fit and "enter" in a), key=lambda a: a["first_step"])
+    if not attempts:
+        return {}
+    t = dict(marks)
+    t.update({k: attempts[0][k] for k in ("enter", "ready", "first_step")})
+    until = t["enter"]
+    for what in ("worker_group_started", "worker_group_starting", "controller_started"):
+        ts = [m["t"] for m in snapshot.get("timeline", []) if m["what"] == what and fit <= m["t"] <= until]
+        if ts:
+            t[what] = max(ts) if what != "controller_started" else min(ts)
+            until = t[what]
+    out = {name: round(t[b] - t[a], 3) for name, a, b in STARTUP_PHASES if a in t and b in t}
+    out["total_s"] = round(t["first_step"] - t["process_start"], 3)
+    return out
+
+
+def mlflow_ui_command(uri: str, experiment_id: str, run_id: str) -> str:
+    """The shell command that opens the MLflow UI on this store, and the run's URL."""
+    store = shlex.quote(uri)
+    # The mlflow script beside this interpreter: it is on PATH only in an activated venv.
+    exe = Path(sys.executable).with_name("mlflow")
+    mlflow_cmd = shlex.quote(str(exe)) if exe.exists() else "mlflow"
+    return (f"{mlflow_cmd} ui --backend-store-uri {store} --host 127.0.0.1 --port 5000  "
+            f"# then open http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}")
+
+
+def format_summary(s: Summary) -> str:
+    """The closing summary as printed by ``elastic-ddp train``."""
+    metrics = " ".join(f"{k}={v:.4f}" for k, v in s.metrics.items()) or "(no validation split)"
+    lines = ["", "=== elastic-ddp summary ===",
+             f"validation:       {metrics}",
+             f"steps / epochs:   {s.steps} / {s.epochs}",
+             f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training-step "
+             "time / wall time)",
+             f"world sizes:      {s.world_sizes_seen}   restarts: {s.restarts}"]
+    if s.skipped_steps:
+        lines.append(f"skipped steps:    {s.skipped_steps} (non-finite gradient)")
+    if s.startup:
+        lines.append(f"command to first step: {s.startup['total_s']:.1f} s (" + ", ".join(
+            f"{k.removesuffix('_s')} {v:.1f}" for k, v in s.startup.items() if k != "total_s") + ")")
+    for ev in s.events:
+        lines.append(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
+                     f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")
+    if s.tracking.get("delayed") or s.tracking.get("dropped"):
+        lines.append(f"tracking:         {s.tracking.get('delayed', 0)} metric values delayed, "
+                     f"{s.tracking.get('dropped', 0)} dropped ({s.tracking.get('last_error')})")
+    lines += [f"MLflow run:       {s.run_id} at {s.tracking_uri}",
+              f"open the UI:      {s.mlflow_ui_command}"]
+    return "\n".join(lines)
+
+
+class ProgressDisplay:
+    """Driver-side progress: polls the tracker actor's latest metrics every ``period``
+    seconds. A rich live bar on a terminal, a plain line every ``line_every`` steps
+    otherwise (no colour codes off a terminal)."""
+
+    def __init__(self, tracker, total_steps: int, period: float = 2.0):
+        self.tracker, self.total, self.period = tracker, total_steps, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._last = -1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        import ray
+
+        tty = sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
+        bar = task = None
+        if tty:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                           TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+            task = bar.add_task("training", total=self.total)
+            bar.start()
+        line_every = max(1, self.total // 10)
+        try:
+            while not self._stop.wait(self.period):
+                try:
+                    m = ray.get(self.tracker.progress.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - display only
+                    continue
+                step = int(m.get("step", 0))
+                if step == 0:
+                    continue  # nothing trained yet: no line of nan and zeros
+                desc = (f"epoch {int(m.get('epoch', 0)) + 1} step {step}/{self.total} loss "
+                        f"{m.get('train_loss', float('nan')):.4f} {m.get('samples_per_s', 0):.0f} "
+                        f"samples/s world_size {int(m.get('world_size', 0))}")
+                if bar is not None:
+                    bar.update(task, completed=step, description=desc)
+                elif step // line_every != self._last // line_every or self._last < 0:
+                    print(desc, flush=True)
+                self._last = step
+        finally:
+            if bar is not None:
+                bar.stop()
