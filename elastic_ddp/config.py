@@ -253,6 +253,10 @@ class Config(_Section):
              base: dict | None = None) -> "Config":
         """Read a YAML preset, apply ``key.sub=value`` overrides, validate.
 
+        An override's value is typed by the field it sets (``elastic_ddp.overrides``):
+        the raw text for a string field, true/false for a bool, YAML flow syntax for a
+        list or dict, YAML scalars for free-form (``Any``) values.
+
         Raises:
             ConfigError: unreadable file, bad override syntax, an unknown key or an
                 invalid value; the message names the file or the dotted field.
@@ -270,12 +274,12 @@ class Config(_Section):
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{p}: the top level must be a mapping of sections")
             raw = _deep_merge(raw, loaded)
+        from elastic_ddp.overrides import parse_override  # imports ConfigError from here
+
         for item in overrides or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"--set {item!r}: expected key.sub=value, e.g. "
-                                  "--set scaling.max_workers=4")
-            _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else None)
+            # Typed by the target field's annotation (elastic_ddp/overrides.py): a str
+            # field takes the raw text, a bool only true/false, a list YAML flow syntax.
+            _set_dotted(raw, *parse_override(cls, item))
         source = str(path) if path else "<dict>"
         if overrides:
             source += " with --set " + " ".join(overrides)
