@@ -295,6 +295,13 @@ class Config(_Section):
         except ConfigError as e:  # raised by check_batch_config inside a validator
             raise ConfigError(f"{source}: {e}") from None
 
+    def changed_fields(self) -> dict[str, Any]:
+        """Dotted keys -> values (JSON-ready, as in ``model_dump(mode="json")``) of the
+        fields whose value differs from its default, in declaration order; for logging
+        what a run changed. A required field (``data.train_path``) has no default and
+        is always listed; a dict or list field is compared and listed whole."""
+        return _changed_fields(self, None, "")
+
     def to_flat_dict(self) -> dict[str, Any]:
         """Dotted keys -> values, for MLflow params."""
         out: dict[str, Any] = {}
@@ -308,6 +315,29 @@ class Config(_Section):
 
         walk("", self.model_dump(mode="json"))
         return out
+
+
+def _changed_fields(obj: BaseModel, default: BaseModel | None, prefix: str) -> dict[str, Any]:
+    # ``default``: the section's default instance (a ``default_factory`` may preset its
+    # fields); None where the section itself is required (``data``, the root): then each
+    # field's own default counts.
+    out: dict[str, Any] = {}
+    dumped = obj.model_dump(mode="json")
+    for name, field in type(obj).model_fields.items():
+        key = f"{prefix}{name}"
+        value = getattr(obj, name)
+        if default is not None:
+            has_default, ref = True, getattr(default, name)
+        elif field.is_required():
+            has_default, ref = False, None
+        else:
+            has_default, ref = True, field.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel):
+            sub_default = ref if isinstance(ref, BaseModel) else None
+            out.update(_changed_fields(value, sub_default, key + "."))
+        elif not has_default or value != ref:
+            out[key] = dumped[name]
+    return out
 
 
 def _divisor_hint(n: int, near: int) -> int:
