@@ -209,3 +209,30 @@ def test_prepare_digits_without_scikit_learn_names_the_extra(tmp_path, capsys, m
     assert rc == 2
     assert "pip install 'elastic-ddp[examples]'" in err and "scikit-learn" in err
     assert not (tmp_path / "digits").exists()
+
+
+# Distribution name -> the module elastic_ddp imports.
+_MODULE = {"scikit-learn": "sklearn", "pyyaml": "yaml", "pytorch-optimizer": "pytorch_optimizer"}
+
+
+def _requirements(extra=None) -> list[str]:
+    out = []
+    for req in metadata.requires("elastic-ddp") or []:
+        name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0).lower()
+        marker = re.search(r'extra\s*==\s*"([^"]+)"', req)
+        if (marker.group(1) if marker else None) == extra:
+            out.append(name)
+    return out
+
+
+def test_every_runtime_dependency_is_imported_and_sklearn_is_an_extra():
+    sources = "\n".join(p.read_text() for p in (REPO / "elastic_ddp").rglob("*.py"))
+    unused = [dist for dist in _requirements()
+              if not re.search(rf"^\s*(import|from)\s+{_MODULE.get(dist, dist.replace('-', '_'))}\b",
+                               sources, re.M)]
+    assert unused == []  # pandas was declared and never imported
+    assert "scikit-learn" not in _requirements()
+    assert "scikit-learn" in _requirements("examples")
+    # make setup (and so make train / make test) installs the extra prepare digits needs.
+    assert re.search(r'pip install .*-e "\.\[dev,examples\]"', (REPO / "Makefile").read_text())
+    assert metadata.metadata("elastic-ddp")["License-Expression"] == "Apache-2.0"
