@@ -1,5 +1,5 @@
 # One-command set-up on a fresh machine. `make train` runs the main job on real
-# data (scikit-learn's digits) on a local Ray cluster tracked in a local MLflow
+# data (scikit-learn's digits, the `examples` extra) on a local Ray cluster tracked in a local MLflow
 # store; `make test` runs the default test suite. Both create .venv if missing.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,examples]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -6,8 +6,6 @@
     elastic-ddp train experiments/configs/digits_cnn.yaml --set scaling.max_workers=4
     elastic-ddp sweep experiments/configs/digits_cnn.yaml --world-sizes 1,2
     elastic-ddp submit experiments/configs/digits_cnn.yaml --address http://127.0.0.1:8265 --wait
-
-Exit codes: 0 success, 1 training failed, 2 bad config or data (nothing was started).
 """
 
 from __future__ import annotations
@@ -15,47 +13,102 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional
+from typing import Any, Optional
+
+EXIT_CODES = """\
+exit codes:
+  0    ok
+  1    training failed (its MLflow run is marked FAILED; checkpoints are kept), or
+       submit could not reach the cluster
+  2    bad config, data or arguments, or a missing optional dependency: nothing was
+       started (no Ray, no MLflow run)
+  130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
+"""
+
+SET_RULES = """\
+--set KEY=VALUE is typed by the field it sets: a string field takes the text as is
+(2024, @nightly, 'run #2' stay strings; empty is refused), a bool field only true or
+false, a number field a number, a list or dict field YAML flow syntax ([1, 8, 8]), an
+optional field null or an empty value for None; free-form (dict[str, Any]) values are
+read as YAML scalars (64 is an int; quote for a string: '64'). Unknown keys are refused.
+"""
+
+_CONFIG_EPILOG = EXIT_CODES + "\n" + SET_RULES
+_SET_HELP = ("override a config field, repeatable; the value is typed by the field "
+             "(see below), e.g. --set {example}")
+
+
+def _add_config_args(sp: argparse.ArgumentParser, example: str, config_help: str = "") -> None:
+    sp.add_argument("config", help=config_help or "YAML preset, e.g. experiments/configs/digits_cnn.yaml")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help=_SET_HELP.format(example=example))
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-ddp", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from elastic_ddp import __version__
 
-    pr = sub.add_parser("prepare", help="write a real data set as sharded Parquet")
-    pr.add_argument("dataset", choices=["digits", "pycode"])
-    pr.add_argument("out_dir")
-    pr.add_argument("--num-files", type=int, default=None)
-    pr.add_argument("--block-size", type=int, default=128, help="pycode: tokens per window")
-    pr.add_argument("--max-bytes", type=int, default=None, help="pycode: cap the corpus")
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="elastic-ddp", formatter_class=fmt, epilog=_CONFIG_EPILOG,
+        description="Elastic PyTorch DDP on Ray Train, one MLflow run per job. "
+                    "`elastic-ddp COMMAND -h` for a command's arguments.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    for name, helptext in (("train", "run a training job"), ("plan", "valid world sizes for a config")):
-        sp = sub.add_parser(name, help=helptext)
-        sp.add_argument("config", help="YAML preset, e.g. experiments/configs/digits_cnn.yaml")
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set scaling.max_workers=4 (repeatable)")
-        if name == "train":
-            sp.add_argument("--no-progress", action="store_true", help="plain log lines only")
-            sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    pr = sub.add_parser("prepare", help="write a real data set as sharded Parquet",
+                        description="Write a real data set as sharded Parquet with a sample_id\n"
+                                    "column: train/ and val/ under OUT_DIR.",
+                        epilog=EXIT_CODES, formatter_class=fmt)
+    pr.add_argument("dataset", choices=["digits", "pycode"],
+                    help="digits: scikit-learn's 1,797 8x8 images (needs the 'examples' extra); "
+                         "pycode: byte windows of this Python's standard library")
+    pr.add_argument("out_dir", help="directory to write; its train/ and val/ are replaced")
+    pr.add_argument("--num-files", type=int, default=None,
+                    help="training Parquet files to shard into (default: digits 4, pycode 8)")
+    pr.add_argument("--block-size", type=int, default=128,
+                    help="pycode: context length in bytes; windows hold block_size+1 (default 128)")
+    pr.add_argument("--max-bytes", type=int, default=None,
+                    help="pycode: cap the corpus at this many bytes (default: all, ~30 MB)")
 
-    sb = sub.add_parser("submit", help="submit `train CONFIG` as a job to a running Ray cluster")
-    sb.add_argument("config", help="YAML preset inside this repo, e.g. experiments/configs/digits_cnn.yaml")
-    sb.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field (repeatable); validated before submitting")
+    tr = sub.add_parser("train", help="run a training job",
+                        description="Run a training job on a local Ray cluster (or the one\n"
+                                    "RAY_ADDRESS names), tracked as one MLflow run.",
+                        epilog=_CONFIG_EPILOG, formatter_class=fmt)
+    _add_config_args(tr, "scaling.max_workers=4")
+    tr.add_argument("--no-progress", action="store_true",
+                    help="plain log lines instead of a live progress bar")
+    tr.add_argument("--json", action="store_true", help="print the summary as JSON")
+    tr.add_argument("--verbose", action="store_true",
+                    help="print every config field (default: only those that differ from "
+                         "the defaults)")
+
+    pl = sub.add_parser("plan", help="valid world sizes for a config",
+                        description="The world sizes in [min_workers, max_workers] the batch\n"
+                                    "settings allow, with rows per rank and grad accumulation.",
+                        epilog=_CONFIG_EPILOG, formatter_class=fmt)
+    _add_config_args(pl, "scaling.max_workers=8")
+
+    sb = sub.add_parser("submit", help="submit `train CONFIG` as a job to a running Ray cluster",
+                        epilog=_CONFIG_EPILOG, formatter_class=fmt)
+    _add_config_args(sb, "train.epochs=3; validated before submitting",
+                     "YAML preset inside this repo, e.g. experiments/configs/digits_cnn.yaml")
     sb.add_argument("--address", default=None,
                     help="job API (dashboard) URL; default $RAY_API_SERVER_ADDRESS, else "
                          "http://127.0.0.1:8265")
-    sb.add_argument("--runtime-env", default="cluster/runtime_env.yaml", help="runtime env YAML")
+    sb.add_argument("--runtime-env", default="cluster/runtime_env.yaml",
+                    help="runtime env YAML (default cluster/runtime_env.yaml)")
     sb.add_argument("--submission-id", default=None, help="job id (default: run name + time)")
     sb.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's status")
 
-    sw = sub.add_parser("sweep", help="run a config at several fixed world sizes; scaling table + plots")
-    sw.add_argument("config", help="YAML preset, e.g. experiments/configs/digits_cnn.yaml")
+    sw = sub.add_parser("sweep", help="run a config at several fixed world sizes; scaling table + plots",
+                        epilog=_CONFIG_EPILOG, formatter_class=fmt)
+    _add_config_args(sw, "train.max_steps=100")
     sw.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2,4 (default 1,2)")
-    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set train.max_steps=100 (repeatable)")
     sw.add_argument("--out", default=None, help="also keep the plots and table in this directory")
     sw.add_argument("--progress", action="store_true", help="show each run's progress line")
+    sw.add_argument("--verbose", action="store_true",
+                    help="print every config field (default: only those that differ from "
+                         "the defaults)")
     return p
 
 
@@ -77,6 +130,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"elastic-ddp: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # The launcher has already closed the MLflow run as KILLED; checkpoints stay.
+        print("elastic-ddp: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - map known input errors to exit 2
         from elastic_ddp.data.scan import DataError
 
@@ -90,7 +147,16 @@ def _prepare(args) -> int:
     from elastic_ddp.data.prepare import prepare_digits, prepare_pycode
 
     if args.dataset == "digits":
-        out = prepare_digits(args.out_dir, **({"num_files": args.num_files} if args.num_files else {}))
+        try:
+            out = prepare_digits(args.out_dir, **({"num_files": args.num_files} if args.num_files else {}))
+        except ModuleNotFoundError as e:
+            if e.name != "sklearn":
+                raise
+            # scikit-learn is an optional extra: only this data set needs it.
+            print("elastic-ddp: prepare digits needs scikit-learn, which is not installed: "
+                  "pip install 'elastic-ddp[examples]' (or pip install 'scikit-learn>=1.3')",
+                  file=sys.stderr)
+            return 2
     else:
         kw = {"block_size": args.block_size, "max_bytes": args.max_bytes}
         if args.num_files:
@@ -133,13 +199,31 @@ def _plan(cfg) -> int:
     return 0
 
 
+def config_lines(cfg, verbose: bool = False) -> list[str]:
+    """The config as printed before a job: every field as indented JSON with
+    ``verbose``, else one ``key=value`` line per field that differs from its default
+    (``Config.changed_fields``). Each short line is also a valid ``--set`` argument:
+    strings as their raw text, other values as JSON (true, null, [1, 8, 8])."""
+    if verbose:
+        return ["elastic-ddp config:", json.dumps(cfg.model_dump(mode="json"), indent=1)]
+    lines = ["elastic-ddp config (fields that differ from the defaults; --verbose for all):"]
+    for key, value in cfg.changed_fields().items():
+        lines.append(f"  {key}={_set_text(value)}")
+    return lines
+
+
+def _set_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 def _sweep(cfg, args) -> int:
     from elastic_ddp.launcher import TrainingError
     from elastic_ddp.sweep import parse_world_sizes, sweep
 
+    world_sizes = parse_world_sizes(args.world_sizes)  # ConfigError (exit 2) before printing
+    print("\n".join(config_lines(cfg, args.verbose)), flush=True)
     try:
-        result = sweep(cfg, parse_world_sizes(args.world_sizes), progress=args.progress,
-                       out_dir=args.out)
+        result = sweep(cfg, world_sizes, progress=args.progress, out_dir=args.out)
     except TrainingError as e:
         print(f"elastic-ddp: {e}", file=sys.stderr)
         return 1
@@ -155,7 +239,8 @@ def _train(cfg, args) -> int:
 
     from elastic_ddp.launcher import TrainingError, process_start_time, train
 
-    print("elastic-ddp config:\n" + json.dumps(cfg.model_dump(mode="json"), indent=1), flush=True)
+    # Only a config that validated gets here (Config.load raised otherwise, exit 2).
+    print("\n".join(config_lines(cfg, args.verbose)), flush=True)
     try:
         summary = train(cfg, progress=not args.no_progress, command_start=process_start_time())
     except TrainingError as e:

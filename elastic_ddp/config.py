@@ -296,6 +296,10 @@ class Config(_Section):
              base: dict | None = None) -> "Config":
         """Read a YAML preset, apply ``key.sub=value`` overrides, validate.
 
+        An override's value is typed by the field it sets (``elastic_ddp.overrides``):
+        the raw text for a string field, true/false for a bool, YAML flow syntax for a
+        list or dict, YAML scalars for free-form (``Any``) values.
+
         Raises:
             ConfigError: unreadable file, bad override syntax, an unknown key or an
                 invalid value; the message names the file or the dotted field.
@@ -313,12 +317,12 @@ class Config(_Section):
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{p}: the top level must be a mapping of sections")
             raw = _deep_merge(raw, loaded)
+        from elastic_ddp.overrides import parse_override  # imports ConfigError from here
+
         for item in overrides or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"--set {item!r}: expected key.sub=value, e.g. "
-                                  "--set scaling.max_workers=4")
-            _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else None)
+            # Typed by the target field's annotation (elastic_ddp/overrides.py): a str
+            # field takes the raw text, a bool only true/false, a list YAML flow syntax.
+            _set_dotted(raw, *parse_override(cls, item))
         source = str(path) if path else "<dict>"
         if overrides:
             source += " with --set " + " ".join(overrides)
@@ -334,6 +338,13 @@ class Config(_Section):
         except ConfigError as e:  # raised by check_batch_config inside a validator
             raise ConfigError(f"{source}: {e}") from None
 
+    def changed_fields(self) -> dict[str, Any]:
+        """Dotted keys -> values (JSON-ready, as in ``model_dump(mode="json")``) of the
+        fields whose value differs from its default, in declaration order; for logging
+        what a run changed. A required field (``data.train_path``) has no default and
+        is always listed; a dict or list field is compared and listed whole."""
+        return _changed_fields(self, None, "")
+
     def to_flat_dict(self) -> dict[str, Any]:
         """Dotted keys -> values, for MLflow params."""
         out: dict[str, Any] = {}
@@ -347,6 +358,29 @@ class Config(_Section):
 
         walk("", self.model_dump(mode="json"))
         return out
+
+
+def _changed_fields(obj: BaseModel, default: BaseModel | None, prefix: str) -> dict[str, Any]:
+    # ``default``: the section's default instance (a ``default_factory`` may preset its
+    # fields); None where the section itself is required (``data``, the root): then each
+    # field's own default counts.
+    out: dict[str, Any] = {}
+    dumped = obj.model_dump(mode="json")
+    for name, field in type(obj).model_fields.items():
+        key = f"{prefix}{name}"
+        value = getattr(obj, name)
+        if default is not None:
+            has_default, ref = True, getattr(default, name)
+        elif field.is_required():
+            has_default, ref = False, None
+        else:
+            has_default, ref = True, field.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel):
+            sub_default = ref if isinstance(ref, BaseModel) else None
+            out.update(_changed_fields(value, sub_default, key + "."))
+        elif not has_default or value != ref:
+            out[key] = dumped[name]
+    return out
 
 
 def _deep_merge(a: dict, b: dict) -> dict:

@@ -139,6 +139,137 @@ def test_set_override_errors(tmp_path):
         Config.load(tmp_path / "missing.yaml")
 
 
+# ------------------------------------------------------------------ --set typed by the field
+# What a --set value means depends on the field it sets (elastic_ddp/overrides.py), not on
+# how YAML would read the text.
+@pytest.mark.parametrize("item,field,expected", [
+    ("run.name=2024", ("run", "name"), "2024"),              # YAML: int -> was refused
+    ("run.name=@nightly", ("run", "name"), "@nightly"),      # YAML: ScannerError traceback
+    ("run.name=sweep #2", ("run", "name"), "sweep #2"),      # YAML: comment -> was 'sweep'
+    ("data.train_path=/x/run #3/train", ("data", "train_path"), "/x/run #3/train"),
+    ("run.name=  padded ", ("run", "name"), "  padded "),    # verbatim, not stripped
+    ("run.name='q'", ("run", "name"), "'q'"),                # quotes are part of the text
+    ("run.experiment_name=a=b", ("run", "experiment_name"), "a=b"),  # first '=' splits
+    ("data.val_path=0123", ("data", "val_path"), "0123"),    # YAML: int 123 (leading 0 lost)
+    ("run.tracking_uri=true", ("run", "tracking_uri"), "true"),  # Optional[str]: still text
+])
+def test_set_string_fields_take_the_text_verbatim(tmp_path, item, field, expected):
+    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path))
+    cfg = Config.load(path, [item])
+    value = getattr(getattr(cfg, field[0]), field[1])
+    assert value == expected and isinstance(value, str)
+
+
+@pytest.mark.parametrize("item,field,expected", [
+    ("scaling.use_gpu=true", ("scaling", "use_gpu"), True),
+    ("scaling.use_gpu=FALSE", ("scaling", "use_gpu"), False),
+    ("scaling.use_gpu=auto", ("scaling", "use_gpu"), "auto"),
+    ("model.batch_norm=True", ("model", "batch_norm"), True),
+    ("scaling.max_workers=4", ("scaling", "max_workers"), 4),
+    ("optim.lr=2e-3", ("optim", "lr"), 2e-3),
+    ("optim.lr=1", ("optim", "lr"), 1.0),
+    ("model.input_shape=[1,8,8]", ("model", "input_shape"), [1, 8, 8]),
+    ("optim.betas=[0.9,0.95]", ("optim", "betas"), (0.9, 0.95)),
+    ("data.val_path=null", ("data", "val_path"), None),
+    ("data.label_column=~", ("data", "label_column"), None),
+    ("train.max_steps=", ("train", "max_steps"), None),
+    ("train.max_steps=NULL", ("train", "max_steps"), None),
+])
+def test_set_typed_fields(tmp_path, item, field, expected):
+    raw = _cfg(tmp_path, {"scaling": {"max_workers": 4}, "batch": {"global_batch_size": 96}})
+    path = _write_yaml(tmp_path / "c.yaml", raw)
+    value = getattr(getattr(Config.load(path, [item]), field[0]), field[1])
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("item,needle", [
+    # 'yes' used to become True silently: a bool means exactly true/false.
+    ("scaling.use_gpu=yes", "scaling.use_gpu must be one of auto, true, false; got 'yes'"),
+    ("model.batch_norm=1", "model.batch_norm must be true or false; got '1'"),
+    ("model.batch_norm=on", "model.batch_norm must be true or false"),
+    ("train.epochs=zero", "train.epochs must be an integer"),
+    ("train.epochs=2.5", "train.epochs must be an integer"),       # pydantic: 'fractional'
+    ("train.epochs=", "train.epochs must be an integer"),          # not Optional: no null
+    ("optim.lr=fast", "optim.lr must be a number"),
+    ("model.name=CNN", "model.name must be one of mlp, cnn, gpt; got 'CNN'"),
+    ("model.input_shape=1,8,8", "model.input_shape must be a list in brackets"),
+    ("run.name=", "run.name is empty"),                            # e.g. an unset $VAR
+    ("run.name.sub=x", "run.name is a value (str), not a section"),
+])
+def test_set_refuses_values_that_do_not_fit_the_field(tmp_path, item, needle):
+    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        Config.load(path, [item])
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)  # one line, starting with the override itself
+    assert str(e.value).startswith(f"--set {item.split('=')[0]}")
+
+
+def test_set_bad_yaml_in_a_list_is_one_line(tmp_path):
+    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path))
+    with pytest.raises(ConfigError) as e:  # was a yaml ParserError traceback
+        Config.load(path, ["model.input_shape=[1,8"])
+    msg = str(e.value)
+    assert msg.startswith("--set model.input_shape=[1,8: model.input_shape must be a list")
+    assert "not valid YAML" in msg and "\n" not in msg
+
+
+def test_set_unknown_key_names_the_dotted_field_and_the_closest(tmp_path):
+    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path))
+    with pytest.raises(ConfigError, match=r"scaling\.max_wrokers: unknown key; "
+                                          r"did you mean scaling\.max_workers\?"):
+        Config.load(path, ["scaling.max_wrokers=3"])
+    with pytest.raises(ConfigError, match=r"zzz: unknown key; the config has: seed, data"):
+        Config.load(path, ["zzz=1"])
+
+
+def test_set_free_form_fields_are_yaml_typed():
+    """A field annotated Any / dict[str, Any] (such as a model.kwargs) has no type to go
+    by: its values and sub-keys are read as YAML scalars, but a plain string is still kept
+    whole. The walk follows annotations, so this holds for sections added later."""
+    from typing import Any, Optional
+
+    from pydantic import BaseModel, Field
+
+    from elastic_ddp.overrides import parse_override
+
+    class Model(BaseModel):
+        factory: str = "pkg.mod:build"
+        kwargs: dict[str, Any] = Field(default_factory=dict)
+        widths: Optional[dict[str, int]] = None
+
+    class Root(BaseModel):
+        model: Model = Field(default_factory=Model)
+
+    cases = {
+        "model.kwargs.hidden=64": 64,
+        "model.kwargs.p=0.1": 0.1,
+        "model.kwargs.bias=false": False,
+        "model.kwargs.norm=null": None,
+        "model.kwargs.act=gelu": "gelu",
+        "model.kwargs.tag='2024'": "2024",          # quoted: YAML's string
+        "model.kwargs.note=sweep #2": "sweep #2",   # no comment stripping
+        "model.kwargs.who=@me": "@me",              # not valid YAML: the text
+        "model.kwargs.day=2024-01-01": "2024-01-01",  # not a datetime.date
+        "model.kwargs.deep.er=3": 3,                # sub-keys of Any: still typed
+        "model.kwargs.dims=[1, 2]": [1, 2],
+        "model.kwargs={a: 1}": {"a": 1},
+        "model.widths.fc=8": 8,                     # dict[str, int] values are ints
+        "model.factory=64": "64",                   # str field: never YAML
+    }
+    for item, expected in cases.items():
+        key, value = parse_override(Root, item)
+        assert key == item.split("=")[0]
+        assert value == expected and type(value) is type(expected), (item, value)
+    with pytest.raises(ConfigError, match=r"model\.widths\.fc must be an integer"):
+        parse_override(Root, "model.widths.fc=wide")
+    with pytest.raises(ConfigError, match=r"model\.kwargs\.dims must be a YAML flow value; "
+                                          r"'\[1, 2' is not valid YAML"):
+        parse_override(Root, "model.kwargs.dims=[1, 2")
+    with pytest.raises(ConfigError, match=r"model\.factroy: unknown key; did you mean model\.factory"):
+        parse_override(Root, "model.factroy=x")
+
+
 # ------------------------------------------------------------------ CLI exit codes
 def _run_cli(capsys, *argv) -> tuple[int, str, str]:
     rc = main(list(argv))
