@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-FORMAT = "elastic-ddp/1"
+FORMAT = "elastic-ddp/2"
 STATE_FILE = "state.pt"
 
 

@@ -128,7 +128,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _sweep(cfg, args)
         return _train(cfg, args)
     except ConfigError as e:
-        print(f"elastic-ddp: config error: {e}", file=sys.stderr)
+        from elastic_ddp.tasks.loading import TaskError
+
+        kind = "task error" if isinstance(e, TaskError) else "config error"
+        print(f"elastic-ddp: {kind}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # The launcher has already closed the MLflow run as KILLED; checkpoints stay.
@@ -183,19 +186,31 @@ def _submit(args) -> int:
 def _plan(cfg) -> int:
     from elastic_ddp.batching import valid_world_sizes
 
-    b, s = cfg.batch, cfg.scaling
+    b, s, p = cfg.batch, cfg.scaling, cfg.partitions
     print(f"global_batch_size={b.global_batch_size} micro_batch_size<={b.micro_batch_size} "
           f"policy={b.policy} workers {s.min_workers}..{s.max_workers}")
+    if p > 1:
+        print(f"data.order=windowed with {p} canonical partitions: the sample order is the same at "
+              "every world size <= partitions; a rank reads only its own partitions")
+    else:
+        print("data.order=permutation: the same order at every world size; every rank reads "
+              "every row")
     print(f"{'world_size':>10} {'global':>7} {'rows/rank':>12} {'grad_accum':>10} {'lr_x':>6}  note")
-    for ws, plan, why in valid_world_sizes(b.global_batch_size, b.micro_batch_size,
-                                           s.min_workers, s.max_workers, b.policy, b.lr_scaling):
+    for ws, plan, why in valid_world_sizes(b.global_batch_size, b.micro_batch_size, s.min_workers,
+                                           s.max_workers, b.policy, b.lr_scaling, p):
         if plan is None:
             print(f"{ws:>10} {'-':>7} {'-':>12} {'-':>10} {'-':>6}  refused: {why}")
             continue
         rows = plan.rows_per_rank
         rr = str(rows[0]) if plan.even else f"{min(rows)}-{max(rows)}"
+        if p > 1:
+            k = p // ws
+            note = (f"{k} partitions per rank" if p % ws == 0 else
+                    f"{k}-{k + 1} partitions per rank (exact order, unbalanced)")
+        else:
+            note = "even" if plan.even else "uneven (loss-weighted, exact mean)"
         print(f"{ws:>10} {plan.global_batch_size:>7} {rr:>12} {plan.grad_accum_steps:>10} "
-              f"{plan.lr_multiplier:>6.2f}  {'even' if plan.even else 'uneven (loss-weighted, exact mean)'}")
+              f"{plan.lr_multiplier:>6.2f}  {note}")
     return 0
 
 
@@ -238,32 +253,18 @@ def _train(cfg, args) -> int:
     from dataclasses import asdict
 
     from elastic_ddp.launcher import TrainingError, process_start_time, train
+    from elastic_ddp.report import format_summary
 
-    # Only a config that validated gets here (Config.load raised otherwise, exit 2).
-    print("\n".join(config_lines(cfg, args.verbose)), flush=True)
+    def show_config(c) -> None:  # once the task and the data passed their checks
+        print("\n".join(config_lines(c, args.verbose)), flush=True)
+
     try:
-        summary = train(cfg, progress=not args.no_progress, command_start=process_start_time())
+        summary = train(cfg, progress=not args.no_progress, command_start=process_start_time(),
+                        on_validated=show_config)
     except TrainingError as e:
         print(f"elastic-ddp: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(asdict(summary), indent=1, default=str))
-    else:
-        metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
-        print("\n=== elastic-ddp summary ===")
-        print(f"validation:       {metrics}")
-        print(f"steps / epochs:   {summary.steps} / {summary.epochs}")
-        print(f"wall time:        {summary.wall_s:.1f} s   goodput {summary.goodput:.2%} "
-              "(committed training-step time / wall time, start-up and checkpoints included)")
-        print(f"world size per attempt: {summary.world_sizes_seen}   restarts: {summary.restarts}")
-        if summary.startup:
-            print(f"command to first step: {summary.startup['total_s']:.1f} s (" + ", ".join(
-                f"{k.removesuffix('_s')} {v:.1f}" for k, v in summary.startup.items() if k != "total_s") + ")")
-        for ev in summary.events:
-            print(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
-                  f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")
-        print(f"MLflow run:       {summary.run_id} at {summary.tracking_uri}")
-        print(f"open the UI:      {summary.mlflow_ui_command}")
+    print(json.dumps(asdict(summary), indent=1, default=str) if args.json else format_summary(summary))
     return 0
 
 

@@ -48,9 +48,8 @@ class DataConfig(_Section):
     partitions: Optional[int] = Field(
         None, ge=1, description=(
             "windowed: canonical partitions (fixed for the job: the order does not depend "
-            "on the world size). A world size that divides it is balanced. null: the "
-            "smallest multiple of lcm(min_workers..max_workers) >= 8 (or max_workers when "
-            "that lcm is over 64)."),
+            "on the world size). A world size that divides it is balanced. null: 60 (or "
+            "the smallest multiple of 60 >= max_workers), at most the rows of the data set."),
     )
     shuffle_window_rows: int = Field(
         65536, ge=1, description=(
@@ -287,8 +286,7 @@ class Config(_Section):
 
         if self.data.order == "permutation":
             return 1
-        return self.data.partitions or default_partitions(self.scaling.min_workers,
-                                                           self.scaling.max_workers)
+        return self.data.partitions or default_partitions(self.scaling.max_workers)
 
     # ------------------------------------------------------------------ loading
     @classmethod

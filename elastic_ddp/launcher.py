@@ -138,7 +138,7 @@ def prepare(cfg: Config, task=None):
     Raises:
         TaskError, DataError, ConfigError: see :func:`train`.
     """
-    from elastic_ddp.data.order import EpochOrder
+    from elastic_ddp.data.ingest import epoch_order
     from elastic_ddp.data.scan import DataError, scan_parquet
     from elastic_ddp.tasks.loading import load_task, preflight
 
@@ -148,8 +148,7 @@ def prepare(cfg: Config, task=None):
     train_info = scan_parquet(d.train_path, cols, d.id_column)
     val_info = scan_parquet(d.val_path, cols, d.id_column) if d.val_path else None
     try:
-        EpochOrder(train_info.row_groups, cfg.seed, 0, cfg.partitions, d.shuffle_window_rows,
-                   d.block_rows, d.order)
+        epoch_order(train_info, cfg, 0)
     except ValueError as e:
         raise DataError(f"{d.train_path}: {e}") from None
     return task, train_info, val_info, preflight(cfg, task, train_info, val_info)

@@ -33,9 +33,6 @@ from elastic_ddp.parallel import build_strategy
 from elastic_ddp.tasks.loading import build_model
 from elastic_ddp.tracking import TrackerClient
 
-FORMAT_VERSION = 2
-
-
 class StepError(RuntimeError):
     """An exception raised inside a training step, tagged with the step so the controller
     can tell a deterministic error (same step, same message, every attempt) from a
@@ -127,12 +124,8 @@ class Trainer:
         ``progress``, ``counters``, ``data`` (the training set's fingerprint and the order
         settings) and the torch RNG. Collective for zero1/fsdp/PowerSGD: every rank calls
         it; only rank 0's return is complete."""
-        c = self.cfg
-        return {**self.strategy.full_state(self.rank), "version": FORMAT_VERSION,
-                "progress": asdict(self.progress), "counters": asdict(self.counters),
-                "data": {"fingerprint": self.job.train.fingerprint, "order": c.data.order,
-                         "partitions": c.partitions, "window": c.data.shuffle_window_rows,
-                         "block_rows": c.data.block_rows, "seed": c.seed},
+        return {**self.strategy.full_state(self.rank), "progress": asdict(self.progress),
+                "counters": asdict(self.counters), "data": self.state_dict_data(),
                 "world_size": self.world_size, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,9 +135,6 @@ class Trainer:
             CheckpointError: another version, or a model/optimizer that does not fit.
             DataChangedError: written on other data or another order (``data.on_change``).
         """
-        if state.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint version {state.get('version')} is not "
-                                  f"{FORMAT_VERSION}; set a new run.name to start afresh")
         try:
             self.strategy.load_full_state(state)
         except (RuntimeError, ValueError, KeyError) as e:
@@ -207,17 +197,20 @@ class Trainer:
         self.ledger = LedgerWriter(self.job.ledger_dir, self.rank, self.resumed_from, self.world_size)
         self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
                              resumed_from=p.step)
+        import torch.distributed as dist
+
         self.tracker.set_tags({"elastic_ddp.world_size": self.world_size,
                                "elastic_ddp.restarts": self.counters.restarts,
+                               # gloo or nccl: what this attempt's collectives ran on.
+                               "elastic_ddp.backend": dist.get_backend() if dist.is_initialized() else "none",
                                "elastic_ddp.device": str(self.device)})
         first = True
         while not self.done:
             t = time.perf_counter()
             self._order, self._reader = open_train_reader(
                 self.job.train, self.task, self.cfg, self.rank, self.world_size, p.epoch,
-                p.cursor, self.plan.global_batch_size, list(self.plan.rows_per_rank))
-            if self._reader.template is None:
-                self._reader.template = {k: v[:0] for k, v in self.job.sample["train"].items()}
+                p.cursor, self.plan.global_batch_size, list(self.plan.rows_per_rank),
+                template=self.job.sample["train"])
             self.window.data_s += time.perf_counter() - t
             while p.cursor < self.n_train and not self.done:
                 self.train_step()

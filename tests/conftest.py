@@ -117,3 +117,40 @@ def mlflow_runs(tmp: Path, experiment_name: str = "tests") -> list:
     if exp is None:
         return []
     return client.search_runs([exp.experiment_id])
+
+
+def global_order_ids(cfg, split_dir: Path, epoch: int):
+    """The sample ids of ``epoch`` in global order, from the library's epoch order over
+    the split's real row groups: the reference the plain-PyTorch replays train on."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from elastic_ddp.data.ingest import epoch_order
+    from elastic_ddp.data.scan import scan_parquet
+
+    info = scan_parquet(split_dir, {}, cfg.data.id_column)
+    ids = {}
+    for g in info.row_groups:
+        ids[(g.file, g.index)] = pq.ParquetFile(info.files[g.file]).read_row_group(
+            g.index, columns=[cfg.data.id_column])[cfg.data.id_column].to_numpy()
+    order = epoch_order(info, cfg, epoch)
+    return np.array([ids[(info.row_groups[i].file, info.row_groups[i].index)][r]
+                     for i, r in order.global_rows()], dtype=np.int64)
+
+
+def alive_train_workers() -> list[int]:
+    """PIDs of this cluster's live Ray Train worker actors, from the GCS actor table
+    (no dashboard needed; never another cluster's processes)."""
+    import ray._private.state as state
+
+    pids = []
+    for info in state.actors(actor_state_name="ALIVE").values():
+        if info["ActorClassName"] == "RayTrainWorker" and info["Pid"]:
+            try:  # the pid must still be a Ray worker process (its title is "ray::...")
+                with open(f"/proc/{info['Pid']}/cmdline", "rb") as fh:
+                    if not fh.read().startswith(b"ray::"):
+                        continue
+            except OSError:
+                continue
+            pids.append(int(info["Pid"]))
+    return pids

@@ -22,16 +22,27 @@ import torch
 from elastic_ddp.batching import (
     BatchConfigError,
     check_batch_config,
-    epoch_order,
+    grad_accum_steps,
     lr_at,
+    micro_slices,
     plan_for_world_size,
-    rank_micro_slices,
+    run_length,
     split_evenly,
     step_rows,
     steps_in_epoch,
     valid_world_sizes,
 )
-from elastic_ddp.worker import rank_ids_for_epoch
+from elastic_ddp.data.order import EpochOrder, RowGroup
+
+
+def rank_micro_slices(rows_in_step, plan, rank):
+    """A rank's micro-batches of one step under ``data.order: permutation`` (positional
+    shares), as offsets into the step's rows: what the trainer computes."""
+    rows = EpochOrder([RowGroup(0, 0, max(rows_in_step, 1))], 0, 0, mode="permutation").rank_rows(
+        0, rows_in_step, plan.world_size, list(plan.rows_per_rank))
+    accum = grad_accum_steps(rows, plan.micro_batch_size)
+    start = sum(rows[:rank])
+    return [(start + a, start + b) for a, b in micro_slices(rows[rank], accum)]
 
 
 def _combos() -> list[tuple[int, int, int, int, str, int]]:
@@ -88,9 +99,12 @@ def test_step_slices_partition_rows(n, g, micro, ws, policy, min_w):
         rows = step_rows(n, cursor, plan.global_batch_size)
         assert 1 <= rows <= plan.global_batch_size
         covered = np.zeros(rows, dtype=np.int64)
+        counts = {len(rank_micro_slices(rows, plan, rank)) for rank in range(ws)}
+        assert len(counts) == 1  # every rank runs as many micro-steps (and all-reduces)
+        if rows == plan.global_batch_size:  # a short last step may need fewer
+            assert counts == {plan.grad_accum_steps}
         for rank in range(ws):
             slices = rank_micro_slices(rows, plan, rank)
-            assert len(slices) == plan.grad_accum_steps
             for a, b in slices:
                 assert 0 <= a <= b <= rows
                 assert b - a <= micro
@@ -105,17 +119,41 @@ def test_step_slices_partition_rows(n, g, micro, ws, policy, min_w):
 
 
 @pytest.mark.parametrize("n,g,micro,ws,policy,min_w", COMBOS[:40])
-def test_rank_ids_cover_rest_of_epoch(n, g, micro, ws, policy, min_w):
-    """Over all ranks, the ids a rank reads for the rest of the epoch (the streaming
-    path of worker.read_rows) are exactly order[cursor:] for any step-aligned cursor."""
+def test_windowed_rank_rows_cover_every_step(n, g, micro, ws, policy, min_w):
+    """windowed order: ranks own partitions, so their rows per step come from the order;
+    over the ranks they are exactly the step's rows, and the micro-batches cut them
+    without loss, each within micro_batch_size, the same count on every rank."""
     plan = _plan(g, micro, ws, policy, min_w)
-    order = epoch_order(np.arange(n, dtype=np.int64) * 3 + 11, seed=5, epoch=1)
-    step_starts = list(range(0, n, plan.global_batch_size))
-    for cursor in {step_starts[0], step_starts[len(step_starts) // 2], step_starts[-1]}:
-        parts = [rank_ids_for_epoch(order, cursor, plan, r) for r in range(ws)]
-        got = np.concatenate(parts)
-        assert len(got) == n - cursor
-        assert np.array_equal(np.sort(got), np.sort(order[cursor:]))
+    parts = max(ws, 8)
+    order = EpochOrder([RowGroup(0, 0, n)], 0, 0, partitions=min(parts, n), window_rows=16)
+    if order.partitions < ws:
+        return
+    for cursor in range(0, n, plan.global_batch_size):
+        rows = order.rank_rows(cursor, step_rows(n, cursor, plan.global_batch_size), ws)
+        assert sum(rows) == step_rows(n, cursor, plan.global_batch_size)
+        accum = grad_accum_steps(rows, micro)
+        for r in range(ws):
+            sl = micro_slices(rows[r], accum)
+            assert len(sl) == accum and sum(b - a for a, b in sl) == rows[r]
+            assert all(b - a <= micro for a, b in sl)
+
+
+def test_run_length_is_the_one_source_of_the_global_batch(tmp_path):
+    """Under scale_lr the global batch grows with the world size; the LR schedule stays
+    in samples of the config's global batch, the same at every world size."""
+    from elastic_ddp.config import Config
+
+    cfg = Config.from_dict({"data": {"train_path": "x"}, "model": {"name": "mlp"},
+                            "batch": {"global_batch_size": 32, "micro_batch_size": 8, "policy": "scale_lr"},
+                            "optim": {"warmup_steps": 5},
+                            "train": {"epochs": 2, "max_steps": 50},
+                            "scaling": {"min_workers": 2, "max_workers": 4}})
+    runs = {ws: run_length(cfg, 1000, ws)[1] for ws in (2, 3, 4)}
+    assert [runs[ws].global_batch_size for ws in (2, 3, 4)] == [32, 48, 64]
+    assert [runs[ws].steps_per_epoch for ws in (2, 3, 4)] == [32, 21, 16]
+    assert {r.schedule_samples for r in runs.values()} == {50 * 32}
+    assert {r.warmup_samples for r in runs.values()} == {5 * 32}
+    assert runs[4].peak_lr == pytest.approx(2 * runs[2].peak_lr)
 
 
 def test_split_evenly():
@@ -137,6 +175,8 @@ def test_steps_in_epoch_and_step_rows():
 def test_fixed_global_refuses_indivisible_world_size():
     with pytest.raises(BatchConfigError, match="world_size=3"):
         plan_for_world_size(64, 32, 3, "fixed_global")
+    # windowed order: the shares come from partitions, so G need not divide.
+    assert plan_for_world_size(64, 32, 3, "fixed_global", partitions=12).global_batch_size == 64
     plan = plan_for_world_size(64, 32, 3, "uneven")
     assert plan.rows_per_rank == (22, 21, 21) and plan.grad_accum_steps == 1
     with pytest.raises(BatchConfigError, match="batch.global_batch_size"):
@@ -144,23 +184,6 @@ def test_fixed_global_refuses_indivisible_world_size():
     check_batch_config(48, 32, 2, 4, "fixed_global")  # lcm(2, 3, 4) = 12 divides 48
     refused = {ws: why for ws, plan, why in valid_world_sizes(64, 32, 1, 6, "fixed_global") if plan is None}
     assert sorted(refused) == [3, 5, 6]
-
-
-# ------------------------------------------------------------------------- sample order
-def test_epoch_order_permutation_reproducible_distinct():
-    ids = np.sort(np.random.default_rng(0).choice(10_000, size=1000, replace=False)).astype(np.int64)
-    orders = [epoch_order(ids, seed=7, epoch=e) for e in range(4)]
-    for o in orders:
-        assert o.dtype == np.int64 and len(o) == len(ids)
-        assert np.array_equal(np.sort(o), ids)
-        assert not np.array_equal(o, ids)  # shuffled
-    # Reproducible from (seed, epoch) alone, in a fresh call.
-    assert np.array_equal(epoch_order(ids.copy(), seed=7, epoch=2), orders[2])
-    # Different across epochs and across seeds.
-    for i in range(4):
-        for j in range(i + 1, 4):
-            assert not np.array_equal(orders[i], orders[j])
-    assert not np.array_equal(epoch_order(ids, seed=8, epoch=0), orders[0])
 
 
 # ----------------------------------------------------- loss weights: exact mean gradient

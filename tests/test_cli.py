@@ -92,7 +92,7 @@ def test_argument_errors_exit_2(argv, capsys):
 # ------------------------------------------------------------------ train: exit 2, short print
 @pytest.mark.parametrize("item,needle", [
     ("scaling.use_gpu=yes", "scaling.use_gpu must be one of auto, true, false; got 'yes'"),
-    ("model.input_shape=[1,8", "model.input_shape must be a list"),
+    ("optim.betas=[0.9,0.9", "optim.betas must be a list"),
     ("scaling.max_wrokers=3", "scaling.max_wrokers: unknown key; did you mean scaling.max_workers?"),
     ("run.name=", "run.name is empty"),
 ])
@@ -117,21 +117,21 @@ def test_train_config_error_exits_2_without_config_print(tmp_path, capsys):
 
 
 def test_train_prints_only_the_changed_fields_unless_verbose(tmp_path, capsys):
+    from elastic_ddp.cli import config_lines
+
     path = _config_file(tmp_path)
     rc = main(["train", str(path), "--no-progress", "--set", "optim.lr=0.02"])
     out, err = capsys.readouterr()
-    assert rc == 2 and "data error" in err  # tmp_path/data does not exist
-    lines = out.splitlines()
-    assert lines[0].startswith("elastic-ddp config (fields that differ from the defaults")
-    assert "  optim.lr=0.02" in lines and "  model.hidden=32" in lines
-    assert not any("momentum" in line or "bucket_cap_mb" in line for line in lines)  # defaults
-    assert len(lines) < 30  # the full dump was ~90 lines
+    # tmp_path/data does not exist: the data error comes before any config print.
+    assert rc == 2 and "data error" in err and out == ""
     _nothing_started(tmp_path)
 
-    rc = main(["train", str(path), "--no-progress", "--verbose"])
-    out, _ = capsys.readouterr()
-    assert rc == 2
-    dump = json.loads(out.split("elastic-ddp config:\n", 1)[1])
+    lines = config_lines(Config.load(path, ["optim.lr=0.02"]))
+    assert lines[0].startswith("elastic-ddp config (fields that differ from the defaults")
+    assert "  optim.lr=0.02" in lines and '  model.kwargs={"hidden": 32}' in lines, lines
+    assert not any("momentum" in line or "bucket_cap_mb" in line for line in lines)  # defaults
+    assert len(lines) < 30  # the full dump was ~90 lines
+    dump = json.loads("\n".join(config_lines(Config.load(path), verbose=True)[1:]))
     assert dump["parallel"]["bucket_cap_mb"] == 25.0 and dump["optim"]["momentum"] == 0.9
 
 
@@ -140,7 +140,9 @@ def test_changed_fields_of_the_digits_preset():
     assert cfg.changed_fields() == {
         "data.train_path": "data/digits/train",   # required: always listed
         "data.val_path": "data/digits/val",
-        "model.hidden": 64,
+        "task.kwargs": {"feature_column": "x", "label_column": "y", "num_classes": 10,
+                        "input_shape": [1, 8, 8]},
+        "model.name": "cnn", "model.kwargs": {"hidden": 64},
         "optim.lr": 0.01, "optim.weight_decay": 0.01, "optim.warmup_steps": 10,
         "optim.min_lr_ratio": 0.05,
         "batch.micro_batch_size": 32,
@@ -148,9 +150,9 @@ def test_changed_fields_of_the_digits_preset():
         "run.name": "digits-cnn",
     }
     # A field set to its default is not a change; a tuple is listed as JSON (a list).
-    cfg = Config.load(PRESET, ["seed=0", "model.hidden=128", "optim.betas=[0.8,0.95]"])
+    cfg = Config.load(PRESET, ["seed=0", "model.kwargs.hidden=128", "optim.betas=[0.8,0.95]"])
     changed = cfg.changed_fields()
-    assert "seed" not in changed and "model.hidden" not in changed
+    assert "seed" not in changed and changed["model.kwargs"] == {"hidden": 128}
     assert changed["optim.betas"] == [0.8, 0.95]
 
 
@@ -160,7 +162,7 @@ def test_short_config_lines_are_set_arguments_that_rebuild_the_config(tmp_path):
     from elastic_ddp.cli import config_lines
 
     cfg = Config.load(PRESET, ["run.name=sweep #2", "data.val_path=null", "scaling.use_gpu=false",
-                               "model.input_shape=[1,8,8]", "optim.betas=[0.8,0.95]"])
+                               "model.kwargs.hidden=8", "optim.betas=[0.8,0.95]"])
     lines = config_lines(cfg)
     items = [line.strip() for line in lines[1:]]
     assert "run.name=sweep #2" in items and "scaling.use_gpu=false" in items

@@ -73,27 +73,47 @@ def test_unknown_model_name(tmp_path):
     assert all(n in msg for n in ("mlp", "cnn", "gpt")), msg
 
 
-def test_gpt_heads_must_divide_width(tmp_path):
-    raw = _cfg(tmp_path, {"model": {"name": "gpt", "n_embd": 100, "n_head": 3}})
-    with pytest.raises(ConfigError, match=r"model\.n_embd .*model\.n_head"):
+def test_no_task_or_two_tasks_refused(tmp_path):
+    raw = _cfg(tmp_path)
+    raw["model"] = {"kwargs": {}}
+    with pytest.raises(ConfigError, match=r"no task: set task\.path .* or model\.name"):
+        Config.from_dict(raw)
+    raw = _cfg(tmp_path, {"task": {"path": "mlp"}})
+    with pytest.raises(ConfigError, match=r"task\.path='mlp' and model\.name='cnn' name two tasks"):
         Config.from_dict(raw)
 
 
 def test_fixed_global_indivisible_batch_suggests_multiple(tmp_path):
-    # 64 does not divide over world size 3 (nor 5, 6); lcm(2..6) = 60 -> suggest 120.
-    raw = _cfg(tmp_path, {"scaling": {"min_workers": 2, "max_workers": 6}})
+    # permutation order: ranks split each step by position, so the global batch must
+    # divide over every world size. 64 does not divide over 3 (nor 5, 6); lcm(2..6) = 60
+    # -> suggest 120.
+    perm = {"data": {"order": "permutation"}, "scaling": {"min_workers": 2, "max_workers": 6}}
     with pytest.raises(ConfigError) as e:
-        Config.from_dict(raw)
+        Config.from_dict(_cfg(tmp_path, perm))
     msg = str(e.value)
     assert "batch.global_batch_size" in msg
     assert "[3, 5, 6]" in msg
     assert "multiple of 60" in msg and "120" in msg
     assert "batch.policy=uneven" in msg
     # The suggestion really is valid, and so is the same batch under policy uneven.
-    Config.from_dict(_cfg(tmp_path, {"scaling": {"min_workers": 2, "max_workers": 6},
-                                     "batch": {"global_batch_size": 120}}))
-    Config.from_dict(_cfg(tmp_path, {"scaling": {"min_workers": 2, "max_workers": 6},
-                                     "batch": {"policy": "uneven"}}))
+    Config.from_dict(_cfg(tmp_path, {**perm, "batch": {"global_batch_size": 120}}))
+    Config.from_dict(_cfg(tmp_path, {**perm, "batch": {"policy": "uneven"}}))
+
+
+def test_fixed_global_windowed_needs_world_sizes_dividing_partitions(tmp_path):
+    # windowed order: a rank owns whole partitions, so fixed_global (equal shares) needs
+    # every world size to divide data.partitions; the default partitions do.
+    ws = {"scaling": {"min_workers": 2, "max_workers": 6}}
+    cfg = Config.from_dict(_cfg(tmp_path, ws))
+    assert cfg.partitions == 60 and all(cfg.partitions % n == 0 for n in range(2, 7))
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 8}}))
+    msg = str(e.value)
+    assert "data.partitions=8" in msg and "[3, 5, 6]" in msg and "multiple of 60" in msg
+    Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 8}, "batch": {"policy": "uneven"}}))
+    with pytest.raises(ConfigError, match=r"scaling\.max_workers=6 exceeds data\.partitions=4"):
+        Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 4},
+                                         "batch": {"policy": "uneven"}}))
 
 
 def test_batch_smaller_than_world_refused(tmp_path):
@@ -110,7 +130,7 @@ def test_set_overrides_parse_yaml_values(tmp_path):
         "batch.global_batch_size=96",       # keeps 2..4 divisible (lcm 12)
         "optim.lr=2e-3",                    # float in exponent form
         "optim.betas=[0.8, 0.95]",          # YAML flow list
-        "model.batch_norm=true",            # YAML bool
+        "model.kwargs.batch_norm=true",     # YAML bool in a free-form dict
         "data.val_path=null",               # YAML null
         "run.name=my run",                  # plain string with a space
         "train.max_steps=",                 # empty -> None
@@ -119,12 +139,12 @@ def test_set_overrides_parse_yaml_values(tmp_path):
     assert cfg.batch.global_batch_size == 96
     assert cfg.optim.lr == pytest.approx(2e-3)
     assert tuple(cfg.optim.betas) == (0.8, 0.95)
-    assert cfg.model.batch_norm is True
+    assert cfg.model.kwargs["batch_norm"] is True
     assert cfg.data.val_path is None
     assert cfg.run.name == "my run"
     assert cfg.train.max_steps is None
     # The file's other values survive the overrides.
-    assert cfg.model.hidden == 32
+    assert cfg.model.kwargs["hidden"] == 32
 
 
 def test_set_override_errors(tmp_path):
@@ -164,14 +184,14 @@ def test_set_string_fields_take_the_text_verbatim(tmp_path, item, field, expecte
     ("scaling.use_gpu=true", ("scaling", "use_gpu"), True),
     ("scaling.use_gpu=FALSE", ("scaling", "use_gpu"), False),
     ("scaling.use_gpu=auto", ("scaling", "use_gpu"), "auto"),
-    ("model.batch_norm=True", ("model", "batch_norm"), True),
+    ("parallel.bf16=True", ("parallel", "bf16"), True),
     ("scaling.max_workers=4", ("scaling", "max_workers"), 4),
     ("optim.lr=2e-3", ("optim", "lr"), 2e-3),
     ("optim.lr=1", ("optim", "lr"), 1.0),
-    ("model.input_shape=[1,8,8]", ("model", "input_shape"), [1, 8, 8]),
+    ("task.kwargs.input_shape=[1,8,8]", ("task", "kwargs"), {"feature_column": "x", "label_column": "y", "num_classes": 10, "input_shape": [1, 8, 8]}),
     ("optim.betas=[0.9,0.95]", ("optim", "betas"), (0.9, 0.95)),
     ("data.val_path=null", ("data", "val_path"), None),
-    ("data.label_column=~", ("data", "label_column"), None),
+    ("data.partitions=~", ("data", "partitions"), None),
     ("train.max_steps=", ("train", "max_steps"), None),
     ("train.max_steps=NULL", ("train", "max_steps"), None),
 ])
@@ -185,14 +205,14 @@ def test_set_typed_fields(tmp_path, item, field, expected):
 @pytest.mark.parametrize("item,needle", [
     # 'yes' used to become True silently: a bool means exactly true/false.
     ("scaling.use_gpu=yes", "scaling.use_gpu must be one of auto, true, false; got 'yes'"),
-    ("model.batch_norm=1", "model.batch_norm must be true or false; got '1'"),
-    ("model.batch_norm=on", "model.batch_norm must be true or false"),
+    ("parallel.bf16=1", "parallel.bf16 must be true or false; got '1'"),
+    ("parallel.bf16=on", "parallel.bf16 must be true or false"),
     ("train.epochs=zero", "train.epochs must be an integer"),
     ("train.epochs=2.5", "train.epochs must be an integer"),       # pydantic: 'fractional'
     ("train.epochs=", "train.epochs must be an integer"),          # not Optional: no null
     ("optim.lr=fast", "optim.lr must be a number"),
     ("model.name=CNN", "model.name must be one of mlp, cnn, gpt; got 'CNN'"),
-    ("model.input_shape=1,8,8", "model.input_shape must be a list in brackets"),
+    ("optim.betas=0.9,0.95", "optim.betas must be a list in brackets"),
     ("run.name=", "run.name is empty"),                            # e.g. an unset $VAR
     ("run.name.sub=x", "run.name is a value (str), not a section"),
 ])
@@ -208,9 +228,9 @@ def test_set_refuses_values_that_do_not_fit_the_field(tmp_path, item, needle):
 def test_set_bad_yaml_in_a_list_is_one_line(tmp_path):
     path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path))
     with pytest.raises(ConfigError) as e:  # was a yaml ParserError traceback
-        Config.load(path, ["model.input_shape=[1,8"])
+        Config.load(path, ["optim.betas=[0.9,0.9"])
     msg = str(e.value)
-    assert msg.startswith("--set model.input_shape=[1,8: model.input_shape must be a list")
+    assert msg.startswith("--set optim.betas=[0.9,0.9: optim.betas must be a list")
     assert "not valid YAML" in msg and "\n" not in msg
 
 
@@ -278,7 +298,8 @@ def _run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_cli_bad_config_exits_2_and_starts_nothing(tmp_path, capsys):
-    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path, {"scaling": {"max_workers": 3}}))
+    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path, {"scaling": {"max_workers": 3},
+                                                           "data": {"order": "permutation"}}))
     rc, out, err = _run_cli(capsys, "train", str(path), "--no-progress")
     assert rc == 2
     assert "batch.global_batch_size" in err and "config error" in err

@@ -46,7 +46,7 @@ def _job(data: Path, tmp: Path, name: str, extra: dict | None = None):
     from elastic_ddp.config import Config
 
     raw = digits_config(data, tmp, {
-        "model": {"hidden": 32},
+        "model": {"kwargs": {"hidden": 32}},
         "batch": {"global_batch_size": 64, "micro_batch_size": 32, "policy": "uneven"},
         "train": {"epochs": EPOCHS, "checkpoint_every_steps": CKPT_EVERY,
                   "log_every_steps": 2, "keep_checkpoints": 2},
@@ -59,9 +59,9 @@ def _job(data: Path, tmp: Path, name: str, extra: dict | None = None):
 
 
 def _train_ids(data: Path):
-    from elastic_ddp.data.scan import scan_parquet
+    from elastic_ddp.data.scan import read_sample_ids
 
-    return scan_parquet(str(data / "train"), "x", "sample_id", "y").sample_ids
+    return read_sample_ids(data / "train")
 
 
 def _events(summary_or_uri, run_id: str | None = None) -> list[dict]:
@@ -215,6 +215,11 @@ def test_kill_worker_mid_step(cluster, data, baseline, tmp_path):
     FIGURES["step_kill_recovery_s"] = ev["recovery_s"]
     FIGURES["step_kill_val_loss"] = s.metrics["val_loss"]
     _close_to_baseline(s, baseline)
+    # One MLflow run for the job, finished, with the failure in its events artifact.
+    runs = mlflow_runs(tmp_path)
+    assert [r.info.run_id for r in runs] == [s.run_id] and runs[0].info.status == "FINISHED"
+    stored = [e for e in _events(s) if e["type"] == "failure"]
+    assert stored and stored[0]["decision"] == "RETRY" and stored[0]["world_size_before"] == 2
 
 
 @pytest.mark.slow
@@ -251,7 +256,7 @@ def test_kill_during_checkpoint_write(cluster, data, baseline, tmp_path):
     # Ray Train kept the newest keep_checkpoints=2 checkpoints, each whole and loadable.
     ckpts = sorted((tmp_path / "ray_results" / "kill-ckpt").glob("checkpoint_step*"))
     assert len(ckpts) == 2, ckpts
-    assert [load_state(c)["step"] for c in ckpts] == [23 * EPOCHS - 4, 23 * EPOCHS]  # step 65, final 69
+    assert [load_state(c)["progress"]["step"] for c in ckpts] == [23 * EPOCHS - 4, 23 * EPOCHS]  # 65, final 69
     FIGURES["ckpt_kill_detect_s"] = round(ev["t"] - fired["t"], 2)
     FIGURES["ckpt_kill_recovery_s"] = ev.get("recovery_s")
     FIGURES["ckpt_kill_val_loss"] = s.metrics["val_loss"]

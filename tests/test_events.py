@@ -1,10 +1,12 @@
 """The controller-side event log, driven with Ray Train's own decision objects in the
-order its controller calls them, into a real sqlite MLflow store (no Ray cluster: the
+order its controller calls them, into the job's tracker writing a real sqlite MLflow store
+(no Ray cluster: the tracker object is called in-process instead of as an actor; the
 cluster-level behaviour is covered by tests/test_elastic.py)."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
@@ -14,15 +16,30 @@ from elastic_ddp.events import (EVENTS_ARTIFACT, ControllerEvents, Deterministic
                                 ElasticEvents)
 
 
+class InProcess:
+    """An object whose methods are called as ``handle.method.remote(...)`` (an actor's
+    calling convention), run synchronously in this process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return SimpleNamespace(remote=getattr(self.obj, name))
+
+
 @pytest.fixture()
 def sink(tmp_path):
     from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.tracking import JobTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     exp = client.create_experiment("events", artifact_location=str(tmp_path / "artifacts"))
     run = client.create_run(exp)
-    events = ElasticEvents(uri, run.info.run_id)
+    tracker = JobTracker(uri, run.info.run_id)
+    events = ElasticEvents(InProcess(tracker))
+    events.run_id, events.store = run.info.run_id, tracker
     return events, ControllerEvents(events), client
 
 
@@ -59,10 +76,11 @@ def test_world_size_after_is_the_size_that_ran_not_the_first_request(sink):
     assert kinds == [("failure", 2, 1), ("failure", 2, 1), ("resize", 1, 2)], kinds
     assert events.events[0]["world_size_requested"] == 2
     assert events.events[0]["last_checkpoint_step"] == 3
-    # What the driver reads back from MLflow is the settled list (written in the
-    # background; the controller flushes before it finishes).
-    events.flush()
-    assert _stored(client, events.run_id) == json.loads(json.dumps(events.events))
+    # What the tracker writes to MLflow (in the background) is the settled list.
+    assert events.store.flush(30)
+    stored = _stored(client, events.run_id)
+    assert [{k: e[k] for k in ev} for e, ev in zip(stored, events.events)] == \
+        json.loads(json.dumps(events.events))
 
 
 def test_same_step_error_twice_stops_with_the_original_text(sink):

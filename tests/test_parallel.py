@@ -18,8 +18,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic_ddp.config import Config
-from elastic_ddp.models import build_model, per_sample_loss
 from elastic_ddp.parallel import build_strategy, powersgd_start_step, zero_memory_bytes
+from elastic_ddp.tasks.loading import build_model as _build_model
+from elastic_ddp.tasks.loading import load_task
+
+
+def build_model(cfg: Config):
+    """The config's model through its task, as the trainer builds it."""
+    return _build_model(cfg, load_task(cfg))
+
+
+def per_sample_loss(model, cfg: Config, x, y):
+    """The task's per-sample loss of a batch: (loss [B], metrics)."""
+    batch = {"tokens": x} if cfg.model.name == "gpt" else {"x": x, "y": y}
+    return load_task(cfg).loss(model, batch)
 
 
 def _free_port() -> int:
@@ -30,10 +42,16 @@ def _free_port() -> int:
 
 def _cfg(strategy: str = "ddp", hook: str = "none", model: str = "gpt", optim: str = "adamw",
          sync_bn: bool = True, keep_params: bool = False) -> Config:
+    if model == "gpt":
+        task = {"kwargs": {"block_size": 16}}
+        net = {"n_embd": 32, "n_head": 2, "n_layer": 2}
+    else:
+        task = {"kwargs": {"input_shape": [1, 8, 8]}}
+        net = {"batch_norm": model == "cnn", "hidden": 8}
     return Config.from_dict({
         "data": {"train_path": "unused"},
-        "model": {"name": model, "block_size": 16, "n_embd": 32, "n_head": 2, "n_layer": 2,
-                  "batch_norm": model == "cnn", "input_shape": [1, 8, 8], "hidden": 8},
+        "task": task,
+        "model": {"name": model, "kwargs": net},
         "optim": {"name": optim, "lr": 3e-3},
         "parallel": {"strategy": strategy, "comm_hook": hook, "powersgd_start_iter": 2,
                      "powersgd_rank": 2, "fsdp_keep_params_between_fwd_bwd": keep_params,
@@ -69,7 +87,7 @@ def _train(strategy, cfg, steps, rank, ws, start_step=0, micro=2):
         total = 0.0
         for i, (xm, ym) in enumerate(parts):  # two micro-steps: no_sync on the first
             with strategy.maybe_no_sync(i == len(parts) - 1):
-                loss_vec, _ = per_sample_loss(strategy.model, cfg.model, xm, ym)
+                loss_vec, _ = per_sample_loss(strategy.model, cfg, xm, ym)
                 (loss_vec.sum() * ws / 12).backward()
             total += float(loss_vec.detach().sum())
         strategy.clip_grad_norm(1.0)
@@ -88,7 +106,7 @@ def _worker(rank, ws, port, job, out_dir):
     try:
         cfg = _cfg(**job["cfg"])
         torch.manual_seed(0)
-        strategy = build_strategy(cfg, build_model(cfg.model), torch.device("cpu"), ws)
+        strategy = build_strategy(cfg, build_model(cfg), torch.device("cpu"), ws)
         if job.get("load"):
             strategy.load_full_state(torch.load(job["load"], weights_only=True))
         if job.get("expect_optimizer"):
@@ -133,7 +151,7 @@ def test_strategy_matches_ddp(reference, tmp_path, strategy, hook, tol):
     rel = ((got["losses"] - ref).abs() / ref).max().item()
     assert rel <= tol, f"{strategy}/{hook}: loss curve differs from ddp by {rel:.2e} > {tol}"
     # The checkpoint state is full (unsharded) and plain-PyTorch loadable.
-    plain = build_model(_cfg("ddp").model)
+    plain = build_model(_cfg("ddp"))
     plain.load_state_dict(got["model"])
     if hook == "powersgd":
         assert len(got["comm_hook"]["error_dicts"]) == 2  # one residual per rank
@@ -150,9 +168,9 @@ def _probe_fsdp_reshard(rank, ws, port, out_dir):
         for keep in (False, True):
             cfg = _cfg("fsdp", keep_params=keep)
             torch.manual_seed(0)
-            strategy = build_strategy(cfg, build_model(cfg.model), torch.device("cpu"), ws)
+            strategy = build_strategy(cfg, build_model(cfg), torch.device("cpu"), ws)
             x, y = _batch(cfg, 0, rank, ws)
-            loss_vec, _ = per_sample_loss(strategy.model, cfg.model, x, y)
+            loss_vec, _ = per_sample_loss(strategy.model, cfg, x, y)
             block = strategy.module.blocks[0]
             seen[keep] = type(next(block.parameters())).__name__
             loss_vec.sum().backward()
@@ -196,7 +214,7 @@ def test_checkpoint_written_at_2_resumes_at_1_and_3(reference, tmp_path, strateg
 def test_powersgd_start_step_follows_pytorch_tuning_advice():
     """Unset: max(warm-up, 20% of the run's steps); an explicit value wins."""
     def cfg(**parallel):
-        return Config.from_dict({"data": {"train_path": "unused"},
+        return Config.from_dict({"data": {"train_path": "unused"}, "model": {"name": "cnn"},
                                  "optim": {"warmup_steps": 10}, "parallel": parallel})
 
     assert powersgd_start_step(cfg(), total_steps=345) == 69   # the digits preset
@@ -220,7 +238,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 
 def _checksum_worker(rank, ws, port, out_dir):
-    from elastic_ddp.worker import _check_params_equal
+    from elastic_ddp.parallel import check_params_equal as _check_params_equal
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -263,7 +281,7 @@ def test_lars_lamb_from_pytorch_optimizer_are_world_size_invariant(tmp_path, opt
     one = _run(1, {**job, "save": "one.pt"}, tmp_path)
     two = _run(2, {**job, "save": "two.pt"}, tmp_path)
     torch.manual_seed(0)
-    init = build_model(_cfg(optim=optim).model).state_dict()
+    init = build_model(_cfg(optim=optim)).state_dict()
     moved = max((two["model"][k] - v).abs().max().item() for k, v in init.items())
     assert moved > 1e-5, f"{optim}: 5 steps did not change the weights (max change {moved:.1e})"
     rel = ((two["losses"] - one["losses"]).abs() / one["losses"]).max().item()
@@ -297,33 +315,33 @@ def test_sync_batchnorm_gives_global_batch_statistics(tmp_path):
     for k in stats:
         assert torch.allclose(sync1["model"][k], one1["model"][k], rtol=1e-4, atol=1e-6), k
     # The checkpoint holds plain BatchNorm keys: loads into the unconverted model.
-    build_model(_cfg(model="cnn").model).load_state_dict(sync["model"])
+    build_model(_cfg(model="cnn")).load_state_dict(sync["model"])
 
 
 def test_batchnorm_guard_batch_of_one():
     """A per-rank micro-batch of 1 row: BatchNorm1d in training mode raises; under the
     worker's guard the layers use their running statistics (left unchanged) and return
     to training mode afterwards."""
-    from elastic_ddp.worker import _batchnorm_guard
+    from elastic_ddp.trainer import _batchnorm_guard
 
     cfg = Config.from_dict({"data": {"train_path": "unused"},
-                            "model": {"name": "mlp", "hidden": 16, "batch_norm": True}})
+                            "model": {"name": "mlp", "kwargs": {"hidden": 16, "batch_norm": True}}})
     torch.manual_seed(0)
-    model = build_model(cfg.model).train()
+    model = build_model(cfg).train()
     x, y = torch.rand(1, 64), torch.tensor([3])
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        per_sample_loss(model, cfg.model, x, y)
+        per_sample_loss(model, cfg, x, y)
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm1d)]
     assert len(bns) == 2, "the mlp has no BatchNorm: the test would be blind"
     before = [m.running_mean.clone() for m in bns]
     with _batchnorm_guard(model, smallest_rows=1):
-        loss, _ = per_sample_loss(model, cfg.model, x, y)
+        loss, _ = per_sample_loss(model, cfg, x, y)
         loss.sum().backward()
     assert torch.isfinite(loss).all()
     assert all(m.training for m in bns)
     assert all(torch.equal(b, m.running_mean) for b, m in zip(before, bns))
     with _batchnorm_guard(model, smallest_rows=2):  # 2 rows: batch statistics as usual
-        per_sample_loss(model, cfg.model, torch.rand(2, 64), torch.tensor([1, 2]))
+        per_sample_loss(model, cfg, torch.rand(2, 64), torch.tensor([1, 2]))
     assert not all(torch.equal(b, m.running_mean) for b, m in zip(before, bns))
 
 
@@ -332,7 +350,7 @@ def _uneven_bn_worker(rank, ws, port, out_dir):
     smallest slice (1), so neither enters SyncBatchNorm's collective and nothing hangs."""
     from datetime import timedelta
 
-    from elastic_ddp.worker import _batchnorm_guard
+    from elastic_ddp.trainer import _batchnorm_guard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -340,11 +358,11 @@ def _uneven_bn_worker(rank, ws, port, out_dir):
     try:
         cfg = _cfg(model="cnn")
         torch.manual_seed(0)
-        strategy = build_strategy(cfg, build_model(cfg.model), torch.device("cpu"), ws)
+        strategy = build_strategy(cfg, build_model(cfg), torch.device("cpu"), ws)
         n = 3 if rank == 0 else 1
         x, y = torch.rand(n, 64), torch.arange(n)
         with _batchnorm_guard(strategy.model, smallest_rows=1):
-            loss, _ = per_sample_loss(strategy.model, cfg.model, x, y)
+            loss, _ = per_sample_loss(strategy.model, cfg, x, y)
             loss.sum().backward()
         strategy.optimizer.step()
         w = torch.cat([p.detach().flatten() for p in strategy.module.parameters()])

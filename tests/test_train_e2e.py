@@ -4,22 +4,16 @@ DDP across 2 worker processes, and a sqlite MLflow store under tmp_path.
 (a) digits cnn trains to a good accuracy and leaves exactly one complete MLflow run whose
     model artifact reproduces the reported accuracy in plain PyTorch;
 (b) the byte-level gpt learns on a slice of the stdlib corpus;
-(c) a worker process SIGKILLed mid-training: the job restarts from its last checkpoint,
-    finishes in the same MLflow run, and neither loses nor repeats a sample;
+(c) (the worker-SIGKILL recovery runs in tests/test_elastic.py and, for a user's task,
+    tests/test_user_task.py)
 (d) zero1 and fsdp checkpoints written by 2 workers resume in a job of 1 or 3 workers
     and stay on the uninterrupted job's loss curve.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import math
-import os
-import signal
-import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +21,19 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import digits_config, mlflow_runs, pycode_config
+from conftest import digits_config, global_order_ids, mlflow_runs, pycode_config
 from elastic_ddp.config import Config
 from elastic_ddp.launcher import train
-from elastic_ddp.models import build_model
+from elastic_ddp.tasks.loading import build_model, load_task
 
-# The digits job for these tests: the preset's width (hidden 64), twice its LR and half
-# its global batch (45 steps an epoch) reach a good accuracy in 3 epochs. Measured with
-# this exact schedule, in plain PyTorch and in the 2-worker job alike: val_acc 0.975
-# after 3 epochs, 0.980 after 4; the 0.9 threshold leaves margin for float differences.
+# The digits job for these tests: the preset's width (hidden 64), half its global batch
+# (45 steps an epoch) and a 20-step warm-up reach a good accuracy in 3 epochs. Replayed in
+# plain PyTorch at seeds 0-4 (windowed order): val_acc 0.93-0.97, and 0.93-0.97 with the
+# full permutation. (lr 0.02 with a 5-step warm-up, the earlier recipe, diverges at some
+# seeds under either order: 0.08-0.98.) The 0.9 threshold leaves margin for float noise.
 DIGITS_FAST = {
-    "model": {"hidden": 64},
-    "optim": {"lr": 0.02, "warmup_steps": 5},
+    "model": {"kwargs": {"hidden": 64}},
+    "optim": {"lr": 0.01, "warmup_steps": 20},
     # 16 rows per rank in two 8-row micro-batches: exercises gradient accumulation.
     "batch": {"global_batch_size": 32, "micro_batch_size": 8},
     "train": {"epochs": 3, "log_every_steps": 5, "checkpoint_every_steps": 50},
@@ -62,7 +57,7 @@ def _val_accuracy_plain_torch(cfg: Config, state_dict: dict, val_dir: Path) -> t
     x = np.concatenate([np.stack(pq.read_table(f, columns=["x"])["x"].to_numpy(zero_copy_only=False))
                         for f in files]).astype(np.float32)
     y = np.concatenate([pq.read_table(f, columns=["y"])["y"].to_numpy() for f in files])
-    model = build_model(cfg.model)
+    model = build_model(cfg, load_task(cfg))
     model.load_state_dict(state_dict)  # strict: no missing or "module."-prefixed keys
     model.eval()
     with torch.no_grad():
@@ -72,37 +67,37 @@ def _val_accuracy_plain_torch(cfg: Config, state_dict: dict, val_dir: Path) -> t
 
 def _replay_plain_torch(cfg: Config, data_dir: Path) -> tuple[list[float], torch.nn.Module]:
     """The job's training replayed in one process without Ray or DDP: same init seed,
-    same per-epoch sample order (``epoch_order``), same LR per sample count (``lr_at``),
-    full-batch mean loss. Returns (every step's loss, model). By the world-size invariance of
-    a step (test_batching), the 2-worker job must compute the same training up to float
-    reassociation."""
+    same per-epoch global order (the library's epoch order over the real row groups), same
+    LR per sample count (``lr_at``), full-batch mean loss. Returns (every step's loss,
+    model). By the world-size invariance of a step (test_batching), the 2-worker job must
+    compute the same training up to float reassociation."""
     files = sorted((data_dir / "train").glob("*.parquet"))
     tables = [pq.read_table(f) for f in files]
     ids = np.concatenate([t["sample_id"].to_numpy() for t in tables])
     x = np.concatenate([np.stack(t["x"].to_numpy(zero_copy_only=False)) for t in tables]).astype(np.float32)
     y = np.concatenate([t["y"].to_numpy() for t in tables])
     pos = {int(i): k for k, i in enumerate(ids)}
-    ids = np.sort(ids)
+    orders = [global_order_ids(cfg, data_dir / "train", e) for e in range(cfg.train.epochs)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ~3 s of tiny matmuls; more threads only contend on 2 cores
     try:
-        return _replay_loop(cfg, ids, x, y, pos)
+        return _replay_loop(cfg, orders, x, y, pos)
     finally:
         torch.set_num_threads(threads)
 
 
-def _replay_loop(cfg: Config, ids, x, y, pos) -> tuple[list[float], torch.nn.Module]:
-    from elastic_ddp.batching import epoch_order, lr_at
+def _replay_loop(cfg: Config, orders, x, y, pos) -> tuple[list[float], torch.nn.Module]:
+    from elastic_ddp.batching import lr_at
 
     assert cfg.optim.name == "adamw"
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    model = build_model(cfg, load_task(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                             weight_decay=cfg.optim.weight_decay)
-    g, total = cfg.batch.global_batch_size, len(ids) * cfg.train.epochs
+    g, total = cfg.batch.global_batch_size, len(orders[0]) * cfg.train.epochs
     seen, losses = 0, []
     for epoch in range(cfg.train.epochs):
-        order = epoch_order(ids, cfg.seed, epoch)
+        order = orders[epoch]
         for c in range(0, len(order), g):
             rows = np.array([pos[int(i)] for i in order[c:c + g]])
             for group in opt.param_groups:
@@ -164,14 +159,14 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     assert loss[-1][1] < 0.5 * loss[0][1], loss
     # Warm-up then cosine: the logged LR rises to near the peak, then ends near the floor.
     lrs = _history(client, summary.run_id, "lr")
-    assert lrs[0][1] < lrs[1][1] and max(v for _, v in lrs) <= 0.02 + 1e-12
-    assert lrs[-1][1] < 0.1 * 0.02
+    assert lrs[0][1] < lrs[1][1] and max(v for _, v in lrs) <= 0.01 + 1e-12
+    assert lrs[-1][1] < 0.1 * 0.01
     assert len(_history(client, summary.run_id, "val_acc")) == 3  # once per epoch
 
     # The model artifact loads in plain PyTorch and reproduces the reported accuracy.
     local = Path(client.download_artifacts(summary.run_id, "model/state.pt", str(tmp_path / "dl")))
     state = torch.load(local, map_location="cpu", weights_only=True)
-    assert state["step"] == steps_total and state["format"] == "elastic-ddp/1"
+    assert state["progress"]["step"] == steps_total and state["format"] == "elastic-ddp/2"
     acc, n_val = _val_accuracy_plain_torch(cfg, state["model"], digits_data / "val")
     print(f"[e2e digits] plain-torch val_acc {acc:.4f} over {n_val} rows")
     # Same weights, same rows: equal up to at most one float near-tie in argmax (the
@@ -218,7 +213,7 @@ def test_batchnorm_mlp_with_one_row_per_rank_trains(ray_cluster, digits_data, tm
     same decision on every rank) runs those micro-steps on running statistics, so the
     job trains to the end on the real Ray path instead of crashing or hanging."""
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
-        "model": {"name": "mlp", "batch_norm": True},
+        "model": {"name": "mlp", "kwargs": {"batch_norm": True}},
         "batch": {"global_batch_size": 3, "micro_batch_size": 2, "policy": "uneven"},
         "train": {"epochs": 1, "max_steps": 12, "log_every_steps": 4, "eval_max_batches": 2},
         "scaling": {"max_failures": 0},
@@ -228,118 +223,6 @@ def test_batchnorm_mlp_with_one_row_per_rank_trains(ray_cluster, digits_data, tm
     loss = _history(_client(tmp_path), summary.run_id, "train_loss")
     assert loss and all(math.isfinite(v) for _, v in loss), loss
     assert math.isfinite(summary.metrics["val_loss"])
-
-
-# ------------------------------------------------------------------------------- (c)
-def _alive_train_workers() -> list[int]:
-    """PIDs of this cluster's live Ray Train worker actors, from the GCS actor table
-    (no dashboard needed; never another cluster's processes)."""
-    import ray._private.state as state
-
-    pids = []
-    for info in state.actors(actor_state_name="ALIVE").values():
-        if info["ActorClassName"] == "RayTrainWorker" and info["Pid"]:
-            try:  # the pid must still be a Ray worker process (its title is "ray::...")
-                with open(f"/proc/{info['Pid']}/cmdline", "rb") as fh:
-                    if not fh.read().startswith(b"ray::"):
-                        continue
-            except OSError:
-                continue
-            pids.append(int(info["Pid"]))
-    return pids
-
-
-def _max_logged_step(client, run_id: str) -> int:
-    try:
-        return int(max((m.step for m in client.get_metric_history(run_id, "train_loss")), default=0))
-    except Exception:  # noqa: BLE001 - the run may not be readable yet
-        return 0
-
-
-def _committed_ledger(ledger_dir: Path) -> dict[int, list[np.ndarray]]:
-    """Per epoch, the ids each step contributed to the final model: an attempt's steps
-    after the step the next attempt resumed from were recomputed, so they are dropped."""
-    attempts: dict[int, list[dict]] = defaultdict(list)  # resumed_from -> records
-    for f in ledger_dir.glob("*.jsonl"):
-        lines = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
-        header, records = lines[0], lines[1:]
-        attempts[header["resumed_from"]].extend(records)
-    starts = sorted(attempts)
-    per_epoch: dict[int, list[np.ndarray]] = defaultdict(list)
-    for i, start in enumerate(starts):
-        end = starts[i + 1] if i + 1 < len(starts) else None
-        for rec in attempts[start]:
-            if end is None or rec["step"] <= end:
-                per_epoch[rec["epoch"]].append(np.asarray(rec["ids"], dtype=np.int64))
-    return per_epoch
-
-
-def test_worker_sigkill_recovers_same_run(ray_cluster, digits_data, tmp_path):
-    extra = {**DIGITS_FAST,
-             "train": {"epochs": 4, "log_every_steps": 5, "checkpoint_every_steps": 10},
-             "scaling": {"max_failures": 2},
-             "run": {"name": "test-kill"}}
-    cfg = Config.from_dict(digits_config(digits_data, tmp_path, extra))
-    ledger = tmp_path / "ledger"
-    kill_after_step = 25  # checkpoints at steps 10 and 20 exist by then
-    killed: dict = {}
-    stop = threading.Event()
-
-    def killer() -> None:
-        client = _client(tmp_path)
-        while not stop.is_set():
-            runs = mlflow_runs(tmp_path)
-            if runs:
-                step = _max_logged_step(client, runs[0].info.run_id)
-                ckpts = glob.glob(str(tmp_path / "ray_results" / "test-kill" / "checkpoint_step*"))
-                pids = _alive_train_workers()
-                if step >= kill_after_step and ckpts and len(pids) == 2:
-                    pid = max(pids)
-                    os.kill(pid, signal.SIGKILL)
-                    killed.update(pid=pid, step=step, checkpoints=len(ckpts), t=time.time())
-                    return
-            stop.wait(0.2)
-
-    th = threading.Thread(target=killer, daemon=True)
-    th.start()
-    t0 = time.perf_counter()
-    try:
-        summary = train(cfg, ledger_dir=str(ledger), progress=False)
-    finally:
-        stop.set()
-        th.join(timeout=10)
-    print(f"\n[e2e kill] wall {time.perf_counter() - t0:.1f}s killed {killed} "
-          f"restarts {summary.restarts} metrics {summary.metrics} events {summary.events}")
-
-    assert killed, "training finished before the worker could be killed"
-    steps_total = math.ceil(1438 / 32) * 4
-    assert killed["step"] < steps_total
-    assert summary.steps == steps_total and summary.epochs == 4
-    assert summary.restarts >= 1
-    assert summary.world_sizes_seen[:2] == [2, 2]
-    assert summary.metrics["val_acc"] >= MIN_VAL_ACC
-
-    runs = mlflow_runs(tmp_path)
-    assert [r.info.run_id for r in runs] == [summary.run_id]
-    assert runs[0].info.status == "FINISHED"
-    client = _client(tmp_path)
-    events_path = client.download_artifacts(summary.run_id, "events/events.json",
-                                           str(tmp_path / "dl"))
-    events = json.loads(Path(events_path).read_text())
-    failures = [e for e in events if e["type"] == "failure"]
-    assert failures, events
-    assert failures[0]["decision"] == "RETRY"
-    assert failures[0]["world_size_before"] == 2
-    # The restart resumed from a checkpoint written before the kill, not from scratch.
-    assert any(e.get("resumed_at_step", 0) >= 10 for e in summary.events), summary.events
-
-    # No sample lost or repeated: per epoch, the committed steps' ids are the train set.
-    train_ids = _train_ids(digits_data)
-    per_epoch = _committed_ledger(ledger)
-    assert sorted(per_epoch) == [0, 1, 2, 3]
-    for epoch, parts in per_epoch.items():
-        got = np.sort(np.concatenate(parts))
-        assert np.array_equal(got, train_ids), f"epoch {epoch}: {len(got)} ids vs {len(train_ids)}"
 
 
 # ------------------------------------------------------------------------------- (d)
@@ -423,7 +306,7 @@ def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_clus
 
 
 def _train_ids(data: Path) -> np.ndarray:
-    """The training set's sample ids, sorted (``scan_parquet`` returns them so)."""
-    from elastic_ddp.data.scan import scan_parquet
+    """The training set's sample ids, sorted."""
+    from elastic_ddp.data.scan import read_sample_ids
 
-    return scan_parquet(str(data / "train"), "x", "sample_id", "y").sample_ids
+    return read_sample_ids(data / "train")

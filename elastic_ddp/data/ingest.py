@@ -39,8 +39,11 @@ class TransformError(DataError):
 
 
 def epoch_order(info: DatasetInfo, cfg, epoch: int) -> EpochOrder:
-    """The order of ``epoch`` for a config (``elastic_ddp.config.Config``)."""
-    return EpochOrder(info.row_groups, cfg.seed, epoch, cfg.partitions,
+    """The order of ``epoch`` for a config (``elastic_ddp.config.Config``). The default
+    partition count is capped at the rows of the data set (a set explicitly larger is
+    refused by ``EpochOrder``)."""
+    parts = cfg.partitions if cfg.data.partitions else min(cfg.partitions, info.num_rows)
+    return EpochOrder(info.row_groups, cfg.seed, epoch, parts,
                       cfg.data.shuffle_window_rows, cfg.data.block_rows, cfg.data.order)
 
 
@@ -107,8 +110,16 @@ class _Transform:
 
 
 def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, epoch: int,
-             split: str) -> Iterator[dict[str, np.ndarray]]:
-    """Numpy batches of ``windows`` (in that order) after the task's transform."""
+             split: str, local: bool = False) -> Iterator[dict[str, np.ndarray]]:
+    """Numpy batches of ``windows`` (in that order) after the task's transform, read and
+    transformed by Ray Data. ``local=True`` runs the same read and transform functions in
+    this process instead, one window at a time (the reader logic tested without Ray)."""
+    transform = _Transform(task, seed, epoch, split, info.id_column)
+    if local:
+        from ray.data.block import BlockAccessor
+
+        return (transform(BlockAccessor.for_block(_read_window(info.files, info.schema, i, w)[0])
+                          .to_batch_format("numpy")) for i, w in enumerate(windows))
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -122,8 +133,7 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
         return iter(())
     ds = ray.data.read_datasource(window_source(info.files, info.schema, windows),
                                   override_num_blocks=len(windows))
-    ds = ds.map_batches(_Transform(task, seed, epoch, split, info.id_column), batch_size=None,
-                        batch_format="numpy", zero_copy_batch=False)
+    ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False)
     return ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
 
 
@@ -158,11 +168,11 @@ class WindowedReader:
     """This rank's rows of the steps of one epoch, windowed order."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
-                 world_size: int, cursor: int):
+                 world_size: int, cursor: int, local: bool = False):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.windows = order.rank_windows(rank, world_size, cursor)
         self.bytes_read = _bytes(info, self.windows)
-        self._it = iter(pipeline(info, task, self.windows, order.seed, order.epoch, "train"))
+        self._it = iter(pipeline(info, task, self.windows, order.seed, order.epoch, "train", local))
         self._next = 0                                  # next window seq to complete
         self._partial: list[dict[str, np.ndarray]] = []
         self._have = 0
@@ -220,7 +230,7 @@ class PermutationReader:
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, global_batch_size: int,
-                 rows_per_rank: Optional[list[int]] = None):
+                 rows_per_rank: Optional[list[int]] = None, local: bool = False):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.g, self.rows_per_rank = global_batch_size, rows_per_rank
         mine = [self._positions(c) for c in range(cursor, order.num_rows, global_batch_size)]
@@ -231,7 +241,7 @@ class PermutationReader:
         self.bytes_read = _bytes(info, windows)
         self._starts = np.cumsum([0] + [g.num_rows for g in info.row_groups])
         self._windows = windows
-        self._source = (info, task)
+        self._source = (info, task, local)
         self._rows: Optional[np.ndarray] = None
         self._data: dict[str, np.ndarray] = {}
         self.template: Optional[dict] = None
@@ -243,17 +253,23 @@ class PermutationReader:
         return np.arange(start, start + rows[self.rank], dtype=np.int64)
 
     def _load(self) -> None:
-        info, task = self._source
+        info, task, local = self._source
         kept_rows, kept = [], []
-        for batch in pipeline(info, task, self._windows, self.order.seed, self.order.epoch, "train"):
+        seen: dict[int, int] = {}
+        for batch in pipeline(info, task, self._windows, self.order.seed, self.order.epoch, "train", local):
             seq = batch.pop(SEQ)
             if self.template is None:
                 self.template = {k: v[:0] for k, v in batch.items()}
             if not len(seq):
                 continue
-            # The row group's rows in file order: global row index = start + offset.
-            first = int(self._starts[seq[0]])
-            offsets = np.arange(len(seq)) + first - np.searchsorted(seq, seq[0])
+            # Row groups stream in file order, each possibly split over several blocks:
+            # a row's index in the data set is its row group's start + rows seen before.
+            offsets = np.empty(len(seq), np.int64)
+            for v in np.unique(seq):
+                idx = np.flatnonzero(seq == v)
+                base = int(self._starts[v]) + seen.get(int(v), 0)
+                offsets[idx] = base + np.arange(len(idx))
+                seen[int(v)] = seen.get(int(v), 0) + len(idx)
             hit = np.isin(offsets, self._wanted, assume_unique=True)
             if hit.any():
                 kept_rows.append(offsets[hit])
@@ -272,18 +288,25 @@ class PermutationReader:
 
 def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size: int,
                       epoch: int, cursor: int, global_batch_size: int,
-                      rows_per_rank: Optional[list[int]] = None):
-    """The reader of this rank for ``epoch`` from ``cursor`` (see the module docstring)."""
+                      rows_per_rank: Optional[list[int]] = None, local: bool = False,
+                      template: Optional[dict] = None):
+    """The order of ``epoch`` and this rank's reader from ``cursor`` (see the module
+    docstring). ``template``: a transformed row (shapes of an empty share); ``local``:
+    read in this process, without Ray (tests)."""
     order = epoch_order(info, cfg, epoch)
     if order.mode == "permutation":
-        return order, PermutationReader(info, task, order, rank, world_size, cursor,
-                                        global_batch_size, rows_per_rank)
-    return order, WindowedReader(info, task, order, rank, world_size, cursor)
+        reader = PermutationReader(info, task, order, rank, world_size, cursor,
+                                   global_batch_size, rows_per_rank, local)
+    else:
+        reader = WindowedReader(info, task, order, rank, world_size, cursor, local)
+    if template is not None:
+        reader.template = {k: v[:0] for k, v in template.items()}
+    return order, reader
 
 
 def val_batches(info: DatasetInfo, task: Task, seed: int, epoch: int, rank: int,
                 world_size: int, batch_size: int, n_batches: int,
-                template: dict[str, Any]) -> Iterator[dict[str, np.ndarray]]:
+                template: dict[str, Any], local: bool = False) -> Iterator[dict[str, np.ndarray]]:
     """Exactly ``n_batches`` batches of at most ``batch_size`` rows of this rank's
     contiguous share of the validation split (rows ``[r N / ws, (r + 1) N / ws)`` in file
     order), transformed with ``split="val"``; empty batches (shaped like ``template``)
@@ -299,7 +322,7 @@ def val_batches(info: DatasetInfo, task: Task, seed: int, epoch: int, rank: int,
         start += g.num_rows
     buf: list[dict[str, np.ndarray]] = []
     have = sent = 0
-    for batch in pipeline(info, task, windows, seed, epoch, "val"):
+    for batch in pipeline(info, task, windows, seed, epoch, "val", local):
         batch.pop(SEQ)
         buf.append(batch)
         have += len(batch[info.id_column])

@@ -1,0 +1,189 @@
+"""The epoch order and the per-rank readers, without Ray: every global step is the same set
+of samples at every world size, every rank reads only its own partitions, a resume reads
+from the window that holds the cursor, and the readers hand each rank exactly its rows
+(the readers run their read and transform functions in-process, ``local=True``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic_ddp.config import Config
+from elastic_ddp.data.ingest import open_train_reader, val_batches
+from elastic_ddp.data.order import EpochOrder, RowGroup, offset_in_partition, owner
+from elastic_ddp.data.scan import scan_parquet
+from elastic_ddp.tasks.protocol import Column, Task
+
+
+def _groups(sizes, per_file=3):
+    return [RowGroup(i // per_file, i % per_file, n, 100 * n) for i, n in enumerate(sizes)]
+
+
+SIZES = [50, 50, 37, 50, 50, 50, 12, 50, 50, 41]  # 440 rows in 10 row groups, 4 files
+
+
+@pytest.mark.parametrize("mode,p,w,block", [("windowed", 8, 64, None), ("windowed", 12, 400, 7),
+                                            ("windowed", 5, 1, None), ("permutation", 1, 0, None)])
+def test_each_epoch_is_a_permutation_reproducible_and_new(mode, p, w, block):
+    rows = {e: EpochOrder(_groups(SIZES), 3, e, p, w, block, mode).global_rows() for e in (0, 1)}
+    every = {(i, r) for i, n in enumerate(SIZES) for r in range(n)}
+    assert len(rows[0]) == len(set(rows[0])) == sum(SIZES) and set(rows[0]) == every
+    assert rows[0] == EpochOrder(_groups(SIZES), 3, 0, p, w, block, mode).global_rows()
+    assert rows[0] != rows[1]
+    assert rows[0] != EpochOrder(_groups(SIZES), 4, 0, p, w, block, mode).global_rows()
+
+
+def test_steps_are_the_same_samples_at_every_world_size_and_ranks_read_only_their_partitions():
+    o = EpochOrder(_groups(SIZES), 0, 2, partitions=12, window_rows=120)
+    g = 32
+    for c in range(0, o.num_rows, g):
+        n = min(g, o.num_rows - c)
+        segs = o.segments(c, n)
+        assert sum(b - a for _, a, b in segs) == n
+        for ws in (1, 2, 3, 4, 5, 6, 12):
+            rows = o.rank_rows(c, n, ws)
+            assert sum(rows) == n
+            if 12 % ws == 0:  # balanced: shares differ by at most one row per partition
+                assert max(rows) - min(rows) <= 12 // ws
+            for r in range(ws):
+                mine = {p for p, _, _ in segs if owner(p, 12, ws) == r}
+                assert mine <= set(o.owned(r, ws))
+    # A rank's windows hold only its partitions' rows, and all of them.
+    for ws in (2, 3):
+        got = sum(w.num_rows for r in range(ws) for w in o.rank_windows(r, ws, 0))
+        assert got == o.num_rows
+
+
+def test_round_robin_offsets_match_the_global_order():
+    o = EpochOrder(_groups(SIZES), 1, 0, partitions=7, window_rows=70)
+    rows = o.global_rows()
+    streams = {p: [] for p in range(7)}
+    for i, row in enumerate(rows):
+        streams[i % 7].append(row)
+    for c in (0, 1, 6, 7, 100, 439, 440):
+        for p in range(7):
+            assert offset_in_partition(p, 7, c) == sum(1 for i in range(c) if i % 7 == p)
+    assert [len(s) for s in streams.values()] == o.sizes
+
+
+def test_resume_reads_from_the_window_that_holds_the_cursor():
+    o = EpochOrder(_groups(SIZES * 4), 0, 0, partitions=4, window_rows=200)
+    full = o.rank_windows(1, 2, 0)
+    later = o.rank_windows(1, 2, 900)
+    assert len(later) < len(full)
+    for w in later[:2]:  # the first window of each owned partition holds its offset
+        off = offset_in_partition(w.partition, 4, 900)
+        assert w.first <= off < w.first + w.num_rows
+    assert o.rank_windows(0, 2, o.num_rows) == []
+
+
+# ------------------------------------------------------------------ readers on real files
+class Echo(Task):
+    """x: the row's own id, so a reader's output can be checked row by row."""
+
+    columns = {"x": Column.integer()}
+
+    def loss(self, model, batch):  # pragma: no cover - never trained here
+        raise NotImplementedError
+
+
+T = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64)}
+
+
+def _data(tmp: Path, n=300, files=3, rg=16) -> Path:
+    for f, part in enumerate(np.array_split(np.arange(n), files)):
+        pq.write_table(pa.table({"sample_id": pa.array(part * 10, pa.int64()),
+                                 "x": pa.array(part * 10, pa.int64())}),
+                       tmp / f"part-{f}.parquet", row_group_size=rg)
+    return tmp
+
+
+def _cfg(tmp: Path, order="windowed", **data) -> Config:
+    return Config.from_dict({"data": {"train_path": str(tmp), "order": order, **data},
+                             "task": {"path": "tests:Echo"},
+                             "batch": {"global_batch_size": 24, "policy": "uneven"},
+                             "scaling": {"min_workers": 1, "max_workers": 4}})
+
+
+@pytest.mark.parametrize("order,data", [("windowed", {"shuffle_window_rows": 64}),
+                                        ("windowed", {"shuffle_window_rows": 1, "partitions": 12}),
+                                        ("windowed", {"block_rows": 5}),
+                                        ("permutation", {})])
+def test_readers_give_every_rank_exactly_its_share_of_each_step(tmp_path, order, data):
+    cfg = _cfg(_data(tmp_path), order, **data)
+    info = scan_parquet(tmp_path, Echo.columns)
+    o = EpochOrder(info.row_groups, cfg.seed, 1, cfg.partitions, cfg.data.shuffle_window_rows,
+                   cfg.data.block_rows, order)
+    ids_of = {}
+    for f in info.files:
+        t = pq.ParquetFile(f)
+        for g in range(t.num_row_groups):
+            ids_of[(info.files.index(f), g)] = t.read_row_group(g)["sample_id"].to_numpy()
+    expected = np.array([ids_of[(info.row_groups[i].file, info.row_groups[i].index)][r]
+                         for i, r in o.global_rows()])
+    g = cfg.batch.global_batch_size
+    for ws in (1, 2, 3, 4):
+        readers = [open_train_reader(info, Echo(), cfg, r, ws, 1, 0, g, local=True, template=T)[1] for r in range(ws)]
+        for c in range(0, o.num_rows, g):
+            n = min(g, o.num_rows - c)
+            got = [rd.take(c, n) for rd in readers]
+            assert [len(b["sample_id"]) for b in got] == o.rank_rows(c, n, ws)
+            step = np.sort(np.concatenate([b["sample_id"] for b in got]))
+            assert np.array_equal(step, np.sort(expected[c:c + n])), (ws, c)
+            for b in got:  # the transform ran: x still equals the id
+                assert np.array_equal(b["x"], b["sample_id"])
+
+
+def test_a_reader_opened_at_the_cursor_continues_the_epoch_exactly(tmp_path):
+    cfg = _cfg(_data(tmp_path, rg=4), shuffle_window_rows=48)
+    info = scan_parquet(tmp_path, Echo.columns)
+    g, ws = 24, 3
+    fresh = [open_train_reader(info, Echo(), cfg, r, ws, 0, 0, g, local=True, template=T)[1] for r in range(ws)]
+    steps = [[rd.take(c, min(g, 300 - c))["sample_id"] for rd in fresh] for c in range(0, 300, g)]
+    cursor = 5 * g
+    # At another world size after the restart: the union per step is unchanged.
+    again = [open_train_reader(info, Echo(), cfg, r, 2, 0, cursor, g, local=True, template=T)[1] for r in range(2)]
+    for k, c in enumerate(range(cursor, 300, g)):
+        n = min(g, 300 - c)
+        got = np.sort(np.concatenate([rd.take(c, n)["sample_id"] for rd in again]))
+        assert np.array_equal(got, np.sort(np.concatenate(steps[5 + k])))
+    # A resume does not re-read the epoch from its start: the windows before the cursor's
+    # are skipped (5 of 12.5 steps done here).
+    rest = sum(rd.bytes_read for rd in again)
+    from_start = sum(open_train_reader(info, Echo(), cfg, r, 2, 0, 0, g, local=True, template=T)[1].bytes_read
+                     for r in range(2))
+    assert rest < 0.8 * from_start, (rest, from_start)
+
+
+def test_bytes_read_per_rank_follow_the_share(tmp_path):
+    """No read amplification: with row groups smaller than a window, each rank reads its
+    partitions' row groups once; the total over ranks stays near the data set."""
+    cfg = _cfg(_data(tmp_path, n=2000, files=4, rg=10), shuffle_window_rows=400, partitions=8)
+    info = scan_parquet(tmp_path, Echo.columns)
+    whole = sum(gr.nbytes for gr in info.row_groups)
+    for ws in (1, 2, 4):
+        per_rank = [open_train_reader(info, Echo(), cfg, r, ws, 0, 0, 24, local=True, template=T)[1].bytes_read
+                    for r in range(ws)]
+        window = whole * 400 / 2000 / 8 * 2
+        assert all(b <= 1.1 * whole / ws + window for b in per_rank), (ws, per_rank, whole)
+        assert sum(per_rank) <= 1.1 * whole
+
+
+def test_val_batches_same_count_on_every_rank_and_every_row_once(tmp_path):
+    _data(tmp_path, n=50, files=2, rg=7)
+    info = scan_parquet(tmp_path, Echo.columns)
+    template = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64)}
+    for ws in (1, 3, 7, 64):  # 64 ranks: most have no row at all
+        share = math.ceil(50 / ws)
+        n_batches = math.ceil(share / 4)
+        seen = []
+        for r in range(ws):
+            batches = list(val_batches(info, Echo(), 0, 0, r, ws, 4, n_batches, template, local=True))
+            assert len(batches) == n_batches
+            seen.extend(np.concatenate([b["sample_id"] for b in batches]).tolist())
+        assert sorted(seen) == list(range(0, 500, 10))
