@@ -277,20 +277,24 @@ class Trainer:
         sums: list[tuple[float, dict, int]] = []
         for i, (a, b) in enumerate(slices):
             t = clock.start()
-            tensors = self._to_device(task.collate({k: v[a:b] for k, v in batch.items()}))
+            # An empty share still runs forward and backward (every rank joins every
+            # all-reduce): on the one-row sample, weighted 0, so tasks never see B = 0.
+            rows = {k: v[a:b] for k, v in batch.items()} if b > a else self.job.sample["train"]
+            tensors = self._to_device(task.collate(rows))
             clock.stop("data", t)
             ctx, kind = s.micro_step(i == len(slices) - 1, probe)
             t = clock.start()
             with ctx, _batchnorm_guard(s.model, smallest[i]), autocast:
-                loss_vec, extra = _split_loss(task.loss(s.model, tensors), b - a)
-                (loss_vec.float().sum() * weight).backward()
+                loss_vec, extra = _split_loss(task.loss(s.model, tensors), max(1, b - a))
+                (loss_vec.float().sum() * (weight if b > a else 0.0)).backward()
             clock.stop(kind, t)
             w.micro[kind] = w.micro.get(kind, 0) + 1
             if w.tokens_per_sample is None:
                 w.tokens_per_sample = task.tokens_per_sample(tensors) or 0
             # .item() is a device sync; free on CPU, one per micro-step on GPU.
-            sums.append((float(loss_vec.detach().float().sum()),
-                         {k: float(v.detach().float().sum()) for k, v in extra.items()}, b - a))
+            if b > a:
+                sums.append((float(loss_vec.detach().float().sum()),
+                             {k: float(v.detach().float().sum()) for k, v in extra.items()}, b - a))
         if w.grad_bytes is None:
             w.grad_bytes = gradient_bytes(s.model.parameters())
         if probe:
@@ -377,7 +381,9 @@ class Trainer:
             for batch in val_batches(val, self.task, self.cfg.seed, self.progress.epoch, self.rank,
                                      self.world_size, bs, n_batches, self.job.sample["val"]):
                 k = len(batch[val.id_column])
-                if k == 0 and not s.collective_forward:
+                if k == 0:  # FSDP: the same forward count on every rank (the sample row)
+                    if s.collective_forward:
+                        self.task.evaluate(s.model, self._to_device(self.task.collate(self.job.sample["val"])))
                     continue
                 out = self.task.evaluate(s.model, self._to_device(self.task.collate(batch)))
                 for i, name in enumerate(names):

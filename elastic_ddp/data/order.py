@@ -17,9 +17,9 @@ nodes", arXiv 2306.08255 sec. 3): each epoch
    partition ``i % P``. Step k takes positions ``[k G, (k + 1) G)``.
 
 Nothing here depends on the world size: the global batch at step k is the same set of
-samples at any world size. A rank owns the partitions ``p`` with ``p * world_size // P ==
-rank`` (contiguous and balanced when the world size divides P), reads only their row
-groups, and holds about two windows per owned partition.
+samples at any world size. A rank owns the partitions ``p`` with ``p % world_size ==
+rank`` (balanced when the world size divides P), reads only their row groups, and holds
+about two windows per owned partition.
 
 **permutation** (``data.order: permutation``, P = 1): global position i is file-order row
 ``perm[i]`` of a uniform random permutation of the N rows; a step's rows are split over
@@ -92,9 +92,11 @@ class Window:
 
 
 def owner(partition: int, partitions: int, world_size: int) -> int:
-    """The rank that reads partition ``p``: ``p * world_size // P`` (contiguous blocks, equal
-    when the world size divides P; ranks differ by at most one partition otherwise)."""
-    return partition * world_size // partitions
+    """The rank that reads partition ``p``: ``p mod world_size``. Interleaved, so the
+    consecutive global positions of a step (consecutive partitions) spread over the ranks:
+    a step's shares differ by at most one row when the world size divides P, whatever the
+    global batch; ranks own ``P // world_size`` or one more partition otherwise."""
+    return partition % world_size
 
 
 def offset_in_partition(partition: int, partitions: int, position: int) -> int:
