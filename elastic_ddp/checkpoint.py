@@ -26,6 +26,7 @@ import torch
 
 FORMAT = "elastic-ddp/2"
 STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
 
 
 class CheckpointError(RuntimeError):
@@ -57,6 +58,10 @@ def save_state(directory: str | os.PathLike, state: dict[str, Any],
     os.replace(tmp, d / STATE_FILE)
     if config is not None:
         (d / "config.json").write_text(json.dumps(config, indent=2))
+    # Written last: a copy of this directory (Ray Train persisting it to storage) that
+    # was cut short has no manifest, or a state.pt of another size.
+    (d / MANIFEST).write_text(json.dumps({"state_bytes": (d / STATE_FILE).stat().st_size,
+                                          "format": FORMAT}))
     return d / STATE_FILE
 
 
@@ -86,6 +91,52 @@ def unwrap_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     PyTorch and at any world size)."""
     inner = getattr(model, "module", model)
     return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+
+
+def checkpoint_step(path: str) -> int:
+    """The step in a ``checkpoint_step<k>`` directory name (-1 for another name)."""
+    import re
+
+    m = re.search(r"checkpoint_step(\d+)/?$", str(path))
+    return int(m.group(1)) if m else -1
+
+
+def newest_complete(storage_path: str, run_name: str, newer_than: int = -1):
+    """The newest checkpoint under ``storage_path/run_name`` whose copy is complete (its
+    manifest names the size its ``state.pt`` has), as a ``ray.train.Checkpoint``, if its
+    step is above ``newer_than``; else None.
+
+    Why: ``ray.train.report`` persists a checkpoint before the controller registers it
+    (at its next poll), so a worker that dies right after a report restarts from the
+    previous one in ``ray.train.get_checkpoint()``. Storage knows better."""
+    import re
+
+    import pyarrow.fs as pafs
+
+    from elastic_ddp.paths import uri_to_filesystem
+
+    fs, base = uri_to_filesystem(storage_path)
+    base = f"{base.rstrip('/')}/{run_name}"
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except OSError:
+        return None
+    steps = sorted(((int(m.group(1)), i.path) for i in infos
+                    if i.type == pafs.FileType.Directory
+                    and (m := re.fullmatch(r"checkpoint_step(\d+)", i.base_name))), reverse=True)
+    for step, path in steps:
+        if step <= newer_than:
+            break
+        try:
+            with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+                manifest = json.loads(f.read())
+            if fs.get_file_info(f"{path}/{STATE_FILE}").size == manifest["state_bytes"]:
+                from ray.train import Checkpoint
+
+                return Checkpoint(path, filesystem=fs)
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
 
 
 def report(state: Optional[dict[str, Any]], metrics: dict[str, float], step: int,

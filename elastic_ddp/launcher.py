@@ -204,7 +204,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
               f"({'resumed' if resumed else 'new'}); {train_info.num_rows} train rows in "
               f"{len(train_info.files)} files; {total} steps", flush=True)
         job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info,
-                      val=val_info, tracker=tracker, t0=t0, sample=sample,
+                      val=val_info, tracker=tracker, t0=t0, sample=sample, storage=storage,
                       ledger_dir=ledger_dir, fault=fault)
         trainer = build_trainer(cfg, job, tracker)
         marks["fit_called"] = time.time()

@@ -86,6 +86,7 @@ class JobSpec:
     tracker: Any
     t0: float
     sample: dict
+    storage: str = ""
     ledger_dir: Optional[str] = None
     fault: Optional[dict] = None
 
@@ -163,9 +164,18 @@ class Trainer:
                 "block_rows": c.data.block_rows, "seed": c.seed}
 
     def restore(self, checkpoint) -> None:
-        """Load the newest checkpoint Ray Train hands over (None: a fresh start)."""
-        from elastic_ddp.checkpoint import load_state
+        """Load the newest complete checkpoint: the one Ray Train hands over, or a newer
+        one in storage that the controller had not registered yet when the group failed
+        (``checkpoint.newest_complete``). None and none in storage: a fresh start."""
+        from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
 
+        if self.job.storage:
+            newer = newest_complete(self.job.storage, self.cfg.run.name,
+                                    checkpoint_step(checkpoint.path) if checkpoint is not None else -1)
+            if newer is not None:
+                self.log(f"resuming from {newer.path}, newer than Ray Train's "
+                         f"{checkpoint.path if checkpoint is not None else 'none'}")
+                checkpoint = newer
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
                 self.load_state_dict(load_state(d))

@@ -204,13 +204,14 @@ def default_collate(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     for name, arr in batch.items():
         arr = np.asarray(arr)
         if arr.dtype == object:
-            shapes = {np.shape(v) for v in arr}
-            if len(shapes) > 1 or any(not isinstance(v, np.ndarray) for v in arr[:1]):
+            try:  # equal-shape rows (Ray Data's lists arrive as object arrays of arrays)
+                arr = np.array(arr.tolist()) if len(arr) else np.zeros((0,), np.float32)
+            except ValueError:
+                arr = np.empty(0, dtype=object)
+            if arr.dtype == object:
                 raise TypeError(
-                    f"column {name!r} has variable-length or non-numeric values "
-                    f"({len(shapes)} shapes); decode/pad it in Task.transform or Task.collate "
-                    "(elastic_ddp.tasks.pad_sequences)")
-            arr = np.stack(list(arr)) if len(arr) else np.zeros((0,), np.float32)
+                    f"column {name!r} has variable-length or non-numeric values; decode/pad "
+                    "it in Task.transform or Task.collate (elastic_ddp.tasks.pad_sequences)")
         if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
             raise TypeError(f"column {name!r} has dtype {arr.dtype}; convert it to numbers in "
                             "Task.transform or override Task.collate")
