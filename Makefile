@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # Set TORCH_SPEC= (empty) to keep a torch that is already in the environment.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup train test test-all clean
+.PHONY: setup train test test-fast test-all clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
+
+# Every change: the tests that start no Ray cluster (config, batching, order, readers,
+# task protocol, data scan, strategies on gloo process groups), in about two minutes.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not ray and not slow" -q
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

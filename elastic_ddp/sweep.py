@@ -96,15 +96,14 @@ def child_config(cfg: Config, world_size: int, tag: str) -> Config:
 def steady_metrics(uri: str, run_id: str) -> dict[str, float]:
     """Median of each metric in ``_STEADY_KEYS`` over the run's log windows after step 1
     (all windows when there is no other), and the max of ``peak_mem_mib_max``."""
-    from mlflow.tracking import MlflowClient
+    from elastic_ddp.tracking import metric_history
 
-    client = MlflowClient(uri)
     out: dict[str, float] = {}
     for key in _STEADY_KEYS + ("peak_mem_mib_max", "wall_s"):
-        hist = client.get_metric_history(run_id, key)
+        hist = metric_history(uri, run_id, key)
         if not hist:
             continue
-        later = [m.value for m in hist if m.step > 1] or [m.value for m in hist]
+        later = [v for step, v in hist if step > 1] or [v for _, v in hist]
         out[key] = max(later) if key in ("peak_mem_mib_max", "wall_s") else statistics.median(later)
     return out
 
@@ -236,26 +235,22 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
         TrainingError: a child run failed; the parent run is closed as FAILED.
     """
     import ray
-    from mlflow.entities import Param
 
+    from elastic_ddp import tracking
     from elastic_ddp.launcher import _init_ray, train
-    from elastic_ddp.tracking import _client, default_tracking_uri, finish_run
 
     sizes = sorted(set(world_sizes))
     tag = time.strftime("%Y%m%d-%H%M%S")
     children_cfg = {ws: child_config(cfg, ws, tag) for ws in sizes}   # validate all first
-    uri = default_tracking_uri(cfg)
-    client = _client(uri)
-    exp = client.get_experiment_by_name(cfg.run.experiment_name)
-    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.run.experiment_name)
-    parent = client.create_run(exp_id, run_name=f"{cfg.run.name}-sweep-{tag}", tags={
-        "elastic_ddp.sweep": ",".join(map(str, sizes)), "elastic_ddp.state": "running"})
-    parent_id = parent.info.run_id
-    params = [Param(k, str(v)[:6000]) for k, v in cfg.to_flat_dict().items()
-              if not k.startswith(("scaling.min_workers", "scaling.max_workers"))]
-    params.append(Param("sweep.world_sizes", ",".join(map(str, sizes))))
-    for i in range(0, len(params), 100):
-        client.log_batch(parent_id, params=params[i:i + 100])
+    uri = tracking.default_tracking_uri(cfg)
+    params = {k: v for k, v in cfg.to_flat_dict().items()
+              if not k.startswith(("scaling.min_workers", "scaling.max_workers"))}
+    params["sweep.world_sizes"] = ",".join(map(str, sizes))
+    no_resume = cfg.model_copy(deep=True)
+    no_resume.run.resume = False
+    parent_id, _ = tracking.open_run(no_resume, f"sweep-{tag}", uri, params=params,
+                                     tags={"elastic_ddp.sweep": ",".join(map(str, sizes))},
+                                     run_name=f"{cfg.run.name}-sweep-{tag}")
     print(f"elastic-ddp sweep: world sizes {sizes} -> parent MLflow run {parent_id} at {uri}",
           flush=True)
 
@@ -268,9 +263,9 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
             summary = train(children_cfg[ws], progress=progress, parent_run_id=parent_id)
             m = steady_metrics(uri, summary.run_id)
             children.append((ws, summary.run_id, m))
-            client.log_metric(parent_id, "samples_per_s", m.get("samples_per_s", math.nan), step=ws)
+            tracking.log_metrics(uri, parent_id, {"samples_per_s": m.get("samples_per_s", math.nan)}, ws)
     except Exception as e:
-        finish_run(uri, parent_id, ok=False, error=f"{type(e).__name__}: {e}")
+        tracking.finish_run(uri, parent_id, ok=False, error=f"{type(e).__name__}: {e}")
         raise
     finally:
         if started_ray:
@@ -279,15 +274,15 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     rows = build_rows(children)
     table = format_table(rows)
     for r in rows:
-        client.log_metric(parent_id, "scaling_efficiency", r.efficiency, step=r.world_size)
+        tracking.log_metrics(uri, parent_id, {"scaling_efficiency": r.efficiency}, r.world_size)
     with tempfile.TemporaryDirectory(prefix="elastic-ddp-sweep-") as tmp:
         d = Path(out_dir) if out_dir else Path(tmp)
-        paths = plot_sweep(rows, d, title=f"{cfg.model.name}, global batch {cfg.batch.global_batch_size}")
+        paths = plot_sweep(rows, d, title=f"{cfg.task.path or cfg.model.name}, global batch {cfg.batch.global_batch_size}")
         (d / "sweep_table.txt").write_text(table + "\n")
         (d / "sweep.json").write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
         for p in paths + [d / "sweep_table.txt", d / "sweep.json"]:
-            client.log_artifact(parent_id, str(p), "sweep")
+            tracking.log_artifact(uri, parent_id, str(p), "sweep")
         artifacts = [f"sweep/{p.name}" for p in paths] + ["sweep/sweep_table.txt", "sweep/sweep.json"]
-    finish_run(uri, parent_id, ok=True)
+    tracking.finish_run(uri, parent_id, ok=True)
     return SweepResult(parent_run_id=parent_id, tracking_uri=uri, rows=rows, table=table,
                        artifacts=artifacts)

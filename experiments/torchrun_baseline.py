@@ -3,13 +3,13 @@
     .venv/bin/torchrun --standalone --nproc-per-node 2 experiments/torchrun_baseline.py \\
         experiments/configs/bench_gpt.yaml --set train.max_steps=60
 
-Same job as ``elastic-ddp train`` on the same config: the model from
-``elastic_ddp.models.build_model`` (same seed), rows from the same Parquet files (read
-with pyarrow, every rank reads all rows like the elastic worker does), the same global
-batch, per-rank split and gradient accumulation (``elastic_ddp.batching``), the same
-per-sample loss weighting, optimizer and LR schedule, gloo, and the same torch thread
-count per process. What it leaves out is everything elastic-ddp adds: Ray, Ray Data,
-MLflow, checkpoints, the ledger, per-phase timers.
+Same job as ``elastic-ddp train`` on the same config with ``data.order: permutation``: the
+task and model from the config (``elastic_ddp.tasks.loading``, same seed), rows from the
+same Parquet files (read with pyarrow; every rank reads all rows), the same epoch order,
+global batch, per-rank split and gradient accumulation, the task's transform, collate and
+per-sample loss with the same weighting, optimizer and LR schedule, gloo, and the same
+torch thread count per process. What it leaves out is everything elastic-ddp adds: Ray,
+Ray Data, MLflow, checkpoints, the ledger, per-phase timers.
 
 Prints one JSON line on rank 0 (prefixed ``BASELINE_RESULT``):
     world_size, steps, samples_per_s (steady state: steps warmup+1..max_steps, wall time
@@ -29,16 +29,19 @@ import time
 T_IMPORT = time.time()
 
 import numpy as np  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
+import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ray.data.block import BlockAccessor  # noqa: E402
 
-from elastic_ddp.batching import epoch_order, lr_at, plan_for_world_size, rank_micro_slices, step_rows  # noqa: E402
+from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_length, step_rows  # noqa: E402
 from elastic_ddp.config import Config  # noqa: E402
-from elastic_ddp.models import build_model, per_sample_loss  # noqa: E402
+from elastic_ddp.data.order import EpochOrder  # noqa: E402
+from elastic_ddp.data.scan import scan_parquet  # noqa: E402
 from elastic_ddp.parallel import build_optimizer  # noqa: E402
-from elastic_ddp.worker import LocalRows, _to_tensor  # noqa: E402
+from elastic_ddp.tasks.loading import build_model, load_task  # noqa: E402
+from elastic_ddp.tasks.protocol import TransformContext  # noqa: E402
 
 
 def _proc_start() -> float:
@@ -51,19 +54,13 @@ def _proc_start() -> float:
         return T_IMPORT
 
 
-def read_all_rows(path: str, cfg: Config) -> LocalRows:
-    """Every row of the Parquet data set at ``path`` with pyarrow, sorted by sample_id.
-    x: [n, D] from the fixed-length list column (one flatten, no per-row Python)."""
-    d = cfg.data
-    cols = [d.id_column, d.feature_column] + ([d.label_column] if d.label_column else [])
-    table = pq.ParquetDataset(path).read(columns=cols)
-    ids = table.column(d.id_column).to_numpy().astype(np.int64)
-    feat = table.column(d.feature_column).combine_chunks()
-    flat = pc.list_flatten(feat).to_numpy(zero_copy_only=False)
-    x = flat.reshape(len(ids), -1)
-    y = table.column(d.label_column).to_numpy().astype(np.int64) if d.label_column else None
-    order = np.argsort(ids, kind="stable")
-    return LocalRows(ids[order], x[order], y[order] if y is not None else None)
+def read_all_rows(cfg: Config, task) -> tuple[dict, object]:
+    """Every row of the training split (the task's columns and the ids) in file order,
+    as a numpy batch, and the scan's info (row groups, for the epoch order)."""
+    info = scan_parquet(cfg.data.train_path, task.input_columns(), cfg.data.id_column)
+    table = pa.concat_tables(pq.read_table(f, columns=info.schema.names).select(info.schema.names)
+                             .cast(info.schema) for f in info.files)
+    return BlockAccessor.for_block(table).to_batch_format("numpy"), info
 
 
 def main() -> None:
@@ -84,45 +81,49 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(
             seconds=cfg.scaling.collective_timeout_s))
 
-    plan = plan_for_world_size(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, ws,
-                               cfg.batch.policy, cfg.scaling.min_workers, cfg.batch.lr_scaling)
-    rows = read_all_rows(cfg.data.train_path, cfg)
-    device = torch.device("cpu")
+    task = load_task(cfg)
+    rows, info = read_all_rows(cfg, task)
+    plan, run = run_length(cfg, info.num_rows, ws)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    model = build_model(cfg, task)
     opt = build_optimizer(cfg, model.parameters())
     ddp = torch.nn.parallel.DistributedDataParallel(model) if ws > 1 else model
 
-    n = len(rows.ids)
+    n = info.num_rows
     max_steps = cfg.train.max_steps or 100
-    total_samples = n * cfg.train.epochs
     warm = min(args.warmup_steps, max_steps - 1)
     step, epoch, cursor, samples_seen = 0, 0, 0, 0
     first_step_ts = t_warm = None
     data_s = steady_data_s = 0.0
-    order = epoch_order(rows.ids, cfg.seed, epoch)
+    order = EpochOrder(info.row_groups, cfg.seed, epoch, mode="permutation")
     while step < max_steps:
         if cursor >= n:
             epoch, cursor = epoch + 1, 0
-            order = epoch_order(rows.ids, cfg.seed, epoch)
+            order = EpochOrder(info.row_groups, cfg.seed, epoch, mode="permutation")
         n_rows = step_rows(n, cursor, plan.global_batch_size)
-        step_ids = order[cursor:cursor + n_rows]
-        lr = lr_at(samples_seen, total_samples, cfg.optim.lr * plan.lr_multiplier,
-                   cfg.optim.warmup_steps * cfg.batch.global_batch_size, cfg.optim.min_lr_ratio)
+        lr = lr_at(samples_seen, run.schedule_samples, run.peak_lr, run.warmup_samples,
+                   cfg.optim.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
-        slices = rank_micro_slices(n_rows, plan, rank)
-        weight = plan.world_size / n_rows
+        shares = order.rank_rows(cursor, n_rows, ws, list(plan.rows_per_rank))
+        start = cursor + sum(shares[:rank])
+        mine = order.permutation[start:start + shares[rank]]
+        slices = micro_slices(shares[rank], grad_accum_steps(shares, cfg.batch.micro_batch_size))
+        weight = ws / n_rows
         loss_sum = 0.0
         for i, (a, b) in enumerate(slices):
             t_d = time.perf_counter()
-            x, y = rows.take(step_ids[a:b])
-            xt, yt = _to_tensor(x, y, cfg, device)
+            idx = mine[a:b]
+            batch = {k: v[idx] for k, v in rows.items()}
+            batch = task.transform(batch, TransformContext(cfg.seed, epoch, "train",
+                                                           batch[cfg.data.id_column]))
+            tensors = task.collate(batch)
             data_s += time.perf_counter() - t_d
             last = i == len(slices) - 1
             ctx = ddp.no_sync() if ws > 1 and not last else contextlib.nullcontext()
             with ctx:
-                loss_vec, _ = per_sample_loss(ddp, cfg.model, xt, yt)
+                out = task.loss(ddp, tensors)
+                loss_vec = out[0] if isinstance(out, tuple) else out
                 (loss_vec.sum() * weight).backward()
             loss_sum += float(loss_vec.detach().sum())
         if cfg.optim.grad_clip > 0:

@@ -154,3 +154,14 @@ def alive_train_workers() -> list[int]:
                 continue
             pids.append(int(info["Pid"]))
     return pids
+
+
+# Fixtures that start a Ray cluster: tests using them are marked ``ray`` and left out of
+# the fast tier (``make test-fast``: -m "not ray and not slow").
+_RAY_FIXTURES = {"ray_cluster", "cluster", "gpu_ray_cluster"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)

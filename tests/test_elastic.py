@@ -253,9 +253,11 @@ def test_kill_during_checkpoint_write(cluster, data, baseline, tmp_path):
             f.unlink()
         d.rmdir()
     # Ray Train kept the newest keep_checkpoints=2 checkpoints, each whole and loadable.
+    # The step-10 one may stay too: persisted, resumed from, but never registered by the
+    # controller (the kill beat its poll), so Ray Train does not delete it.
     ckpts = sorted((tmp_path / "ray_results" / "kill-ckpt").glob("checkpoint_step*"))
-    assert len(ckpts) == 2, ckpts
-    assert [load_state(c)["progress"]["step"] for c in ckpts] == [23 * EPOCHS - 4, 23 * EPOCHS]  # 65, final 69
+    steps = [load_state(c)["progress"]["step"] for c in ckpts]
+    assert steps[-2:] == [23 * EPOCHS - 4, 23 * EPOCHS] and set(steps[:-2]) <= {10}, steps
     FIGURES["ckpt_kill_detect_s"] = round(ev["t"] - fired["t"], 2)
     FIGURES["ckpt_kill_recovery_s"] = ev.get("recovery_s")
     FIGURES["ckpt_kill_val_loss"] = s.metrics["val_loss"]

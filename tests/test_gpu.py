@@ -41,12 +41,12 @@ def gpu_ray_cluster():
 def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
     from elastic_ddp.config import Config
     from elastic_ddp.launcher import train
-    from elastic_ddp.models import build_model
+    from elastic_ddp.tasks.loading import build_model, load_task
 
     ws = min(2, gpu_ray_cluster)
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
-        "model": {"hidden": 64},
-        "optim": {"lr": 0.02},
+        "model": {"kwargs": {"hidden": 64}},
+        "optim": {"lr": 0.01, "warmup_steps": 20},
         "batch": {"global_batch_size": 32, "micro_batch_size": 16},
         "train": {"epochs": 3, "checkpoint_every_steps": 50},
         "scaling": {"min_workers": ws, "max_workers": ws, "use_gpu": True},
@@ -71,4 +71,4 @@ def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
         summary.run_id, "model/state.pt", str(tmp_path / "dl"))
     state = torch.load(Path(local), map_location="cpu", weights_only=True)
     assert all(t.device.type == "cpu" for t in state["model"].values())
-    build_model(cfg.model).load_state_dict(state["model"])
+    build_model(cfg, load_task(cfg)).load_state_dict(state["model"])

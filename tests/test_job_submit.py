@@ -83,7 +83,7 @@ def _env(c) -> dict[str, str]:
 def _overrides(data: Path, tmp: Path, name: str, **extra) -> list[str]:
     sets = {
         "data.train_path": data / "train", "data.val_path": data / "val",
-        "model.hidden": 32, "train.epochs": 1, "train.log_every_steps": 5,
+        "model.kwargs.hidden": 32, "train.epochs": 1, "train.log_every_steps": 5,
         "run.name": name, "run.experiment_name": "tests",
         "run.storage_path": tmp / "ray_results",
         "run.tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
