@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -284,3 +285,52 @@ def test_mlflow_server_script_binds_to_loopback_by_default(tmp_path):
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[out.index("--backend-store-uri") + 1] == "postgresql://mlflow@db/mlflow"
     assert out[out.index("--artifacts-destination") + 1] == "s3://bucket/mlflow"
+
+
+# --------------------------------------------------------------------------- launcher checks
+def _launcher_python_checks() -> list[str]:
+    """The launcher's setup commands that run ``python -c`` on torch, as written."""
+    cfg = _yaml_docs(CLUSTER / "launcher" / "aws-gpu.yaml")[0]
+    return [c for c in cfg["setup_commands"] if re.match(r"python -c ", c) and "torch" in c]
+
+
+def _run_setup_command(cmd: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """Run one setup command the way the launcher does (bash on the node), with this
+    venv's python first on PATH as the node's python."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_launcher_torch_checks_pass_with_the_installed_torch():
+    """Every torch check of the setup commands passes with torch 2.13 (installed here)."""
+    import torch
+
+    assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10)
+    checks = _launcher_python_checks()
+    assert any("assert" in c for c in checks)
+    for cmd in checks:
+        out = _run_setup_command(cmd)
+        assert out.returncode == 0, f"{cmd}\n{out.stderr}"
+
+
+@pytest.mark.parametrize("version,ok", [("2.3.1", False), ("1.13.1+cu117", False), ("2.4.0", True),
+                                        ("2.10.0+cu128", True), ("3.0.0a0+git1234", True)])
+def test_launcher_torch_version_check_against_a_fake_torch(tmp_path, version, ok):
+    """The same command lines against a stand-in ``torch`` package whose ``__version__``
+    is a plain ``str``: below 2.4 the check fails, naming the version; 2.4 and above it
+    passes. (Real torch has made ``__version__`` a ``TorchVersion`` with numeric
+    comparisons since 1.10, which is why the old ``torch.__version__ >= '2.4'`` passed on
+    torch 2.13; as a string comparison it fails for 2.10 and later, as this stand-in
+    shows on the old line. The check now compares integers itself.)"""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        f"import types\n__version__ = {version!r}\nversion = types.SimpleNamespace(cuda='12.8')\n")
+    (version_checks,) = [c for c in _launcher_python_checks() if "assert" in c]
+    out = _run_setup_command(version_checks, pythonpath=str(tmp_path))
+    assert (out.returncode == 0) == ok, out.stderr
+    if not ok:
+        assert f"need torch>=2.4, have {version}" in out.stderr
