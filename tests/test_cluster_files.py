@@ -92,7 +92,12 @@ def test_entrypoints_are_real_subcommands_on_valid_configs():
         for argv in cmds:
             args = parser.parse_args(argv)  # SystemExit on an unknown subcommand/flag
             if args.cmd in ("train", "plan", "submit"):
-                cfg_path = ROOT / args.config
+                # `submit ~/elastic-ddp/experiments/configs/x.yaml` from another directory
+                # names a checkout elsewhere: check the preset of the same name here.
+                rel = args.config
+                if "experiments/configs/" in rel and not rel.startswith("experiments/"):
+                    rel = "experiments/configs/" + rel.split("experiments/configs/", 1)[1]
+                cfg_path = ROOT / rel
                 assert cfg_path.is_file(), f"{where}: config {args.config} is not in this repo"
                 Config.load(cfg_path, args.overrides)
                 checked += 1
