@@ -162,6 +162,22 @@ def _checkout(parent: Path, data: Path) -> Path:
     return parent
 
 
+def test_every_listener_of_the_cluster_is_on_loopback(cluster):
+    """Every TCP listener of every process of both nodes (GCS, raylets, dashboard, agents,
+    client server, metrics servers, workers) is on 127.0.0.0/8, none on one of Ray's
+    fixed default ports; the cluster dir is private, the token file 0600."""
+    from elastic_ddp.local_ray import listeners
+
+    found = listeners(cluster.pids())
+    names = {name for _, name, _, _ in found}
+    assert {"gcs_server", "raylet"} <= names, names
+    assert cluster.listeners_outside_loopback() == []
+    assert not {port for *_, port in found} & {6379, 8265, 10001, 44217, 44227, 52365}
+    st = cluster.dir.stat()
+    assert st.st_uid == os.getuid() and oct(st.st_mode & 0o777) == "0o700"
+    assert oct(cluster.token_file.stat().st_mode & 0o777) == "0o600"
+
+
 def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_path):
     """The CLI run from another directory on a config of another checkout: the checkout
     is found from the config, its relative data/storage paths and the default MLflow
@@ -261,6 +277,11 @@ def test_credentials_in_the_submitters_env_stay_out_of_the_job(cluster, tmp_path
     os.environ.update(cluster.env())  # auth_headers reads the token path from the env
     try:
         client = JobSubmissionClient(cluster.dashboard_url, headers=auth_headers())
+        deadline = time.time() + 300
+        while str(client.get_job_status("secret-check")) == "PENDING" and time.time() < deadline:
+            time.sleep(0.5)
+        # With a job driver connected, the cluster still listens on loopback only.
+        assert cluster.listeners_outside_loopback() == []
         client.stop_job("secret-check")
         stored = json.dumps([j.dict() if hasattr(j, "dict") else vars(j) for j in client.list_jobs()],
                             default=str)
