@@ -216,3 +216,17 @@ def test_cli_warns_before_sending_a_token_over_http(tmp_path):
     assert out.returncode == 1 and "warning: sending the Ray auth token in clear text" in out.stderr
     out = _cli(str(CONFIG), "--address", REMOTE, *sets, cwd=tmp_path)  # no token: nothing to leak
     assert out.returncode == 1 and "clear text" not in out.stderr
+
+
+def test_data_error_inside_a_ray_job_says_where_relative_paths_resolve(tmp_path):
+    """The job's `train` resolves relative data paths in its uploaded copy of the working
+    dir; there the fix is an absolute path, not `elastic-ddp prepare` (the generic hint)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
+    cmd = [sys.executable, "-m", "elastic_ddp.cli", "train", str(CONFIG)]
+    job = subprocess.run(cmd, cwd=tmp_path, env={**base, "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"},
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 2
+    assert "data error: data/digits/train: path does not exist" in job.stderr
+    assert "this is a Ray job" in job.stderr and "--set data.train_path=/abs/" in job.stderr
+    plain = subprocess.run(cmd, cwd=tmp_path, env=base, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 2 and "this is a Ray job" not in plain.stderr
