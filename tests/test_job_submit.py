@@ -283,7 +283,7 @@ def test_credentials_in_the_submitters_env_stay_out_of_the_job(cluster, tmp_path
         # With a job driver connected, the cluster still listens on loopback only.
         assert cluster.listeners_outside_loopback() == []
         client.stop_job("secret-check")
-        stored = json.dumps([j.dict() if hasattr(j, "dict") else vars(j) for j in client.list_jobs()],
+        stored = json.dumps([j.model_dump() if hasattr(j, "model_dump") else vars(j) for j in client.list_jobs()],
                             default=str)
         listed = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "list",
                                  "--address", cluster.dashboard_url],
