@@ -19,12 +19,31 @@ workers) stay in that group and carry kill-on-parent-death. Stopping a node sign
 exactly that process group (SIGTERM, then SIGKILL after a grace period), and nothing
 else. The pids live in ``state.json`` in the cluster directory.
 
-Security defaults: every address is 127.0.0.1 (``--node-ip-address``, the dashboard /
-job API ``--dashboard-host``); token authentication is ON (``RAY_AUTH_MODE=token``)
-with a fresh random token per cluster in ``<dir>/auth_token`` (mode 0600), handed to
-every ``ray start`` through ``RAY_AUTH_TOKEN_PATH``; clients (``ray job submit``,
-``elastic-ddp submit``) find it through the same variable (see ``env``). All ports
-but the ones you pass are chosen free, so several clusters can share the machine.
+Security defaults:
+
+* every listener of every node is on 127.0.0.1. Ray binds its gRPC servers (GCS,
+  raylet, workers), agents and metrics servers to loopback only when the node's IP is
+  exactly 127.0.0.1, but ``ray start`` replaces 127.0.0.1 (as ``--node-ip-address``
+  and in ``--address``) by the host's address, except in its single-machine mode
+  (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), which in turn refuses to start a worker
+  node. So each node runs ``ray start`` through ``ray_start_on_loopback`` (this file's
+  ``_ray_start`` command): its node processes get the single-machine mode (every
+  process that connects, job drivers included, keeps 127.0.0.1), while the ``ray
+  start`` process itself keeps the multi-node mode and leaves 127.0.0.1 as given.
+  ``listeners_outside_loopback`` (and ``tests/test_job_submit.py``) check the result;
+* no fixed port: the GCS, dashboard, Ray client server, dashboard agent and the
+  autoscaler/dashboard metrics ports are chosen free at start, the others are left to
+  Ray (0: the OS picks one when binding), so several clusters can share a machine;
+* token authentication is ON (``RAY_AUTH_MODE=token``) with a fresh random token per
+  cluster in ``<dir>/auth_token`` (created with O_EXCL|O_NOFOLLOW, mode 0600), handed to
+  every ``ray start`` through ``RAY_AUTH_TOKEN_PATH``; clients (``ray job submit``,
+  ``elastic-ddp submit``) find it through the same variable (see ``env``);
+* the cluster directory (default ``$TMPDIR/elastic-ddp-cluster-<uid>``, a predictable
+  name in a shared directory) is created mode 0700 and refused (exit 2) when it is a
+  symlink or belongs to another user. That is what keeps other users out of everything
+  below it: Ray makes each directory it creates mode 777, the node temp dirs included;
+  ``start``/``add`` put those back to 0700, but Ray opens them again whenever a driver
+  or worker process starts.
 """
 
 from __future__ import annotations
@@ -32,8 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -44,23 +61,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from elastic_ddp.local_ray import (PrivateDirError, check_private_dir, free_port,  # noqa: E402
+                                   listeners_outside_loopback, process_tree,
+                                   ray_start_on_loopback, write_token)
+
 HOST = "127.0.0.1"
 DEFAULT_DIR = Path(tempfile.gettempdir()) / f"elastic-ddp-cluster-{os.getuid()}"
 # ray's unix-socket paths live under the temp dir and must stay under ~107 bytes.
 MAX_DIR_LEN = 60
 
 
-def _ray_exe() -> str:
-    """The ``ray`` next to this interpreter (the project's venv), else the PATH one."""
-    local = Path(sys.executable).parent / "ray"
-    return str(local) if local.exists() else (shutil.which("ray") or "ray")
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (bound and released)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+class UsageError(ValueError):
+    """A request this cluster cannot carry out as given; the message says what to do."""
 
 
 def _port_free(port: int) -> bool:
@@ -76,10 +89,12 @@ class LocalCluster:
     """Head + worker nodes of one local cluster; state in ``<dir>/state.json``."""
 
     def __init__(self, directory: str | os.PathLike = DEFAULT_DIR):
-        self.dir = Path(directory).resolve()
+        # abspath, not resolve(): a symlinked cluster dir must be seen, not followed.
+        self.dir = Path(os.path.abspath(directory))
         if len(str(self.dir)) > MAX_DIR_LEN:
-            raise SystemExit(f"cluster dir {self.dir} is too long for Ray's socket paths; "
+            raise UsageError(f"cluster dir {self.dir} is too long for Ray's socket paths; "
                              f"use one under {MAX_DIR_LEN} characters (e.g. /tmp/edc-x)")
+        check_private_dir(self.dir)
         self.state_file = self.dir / "state.json"
         self.token_file = self.dir / "auth_token"
 
@@ -109,20 +124,38 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ nodes
     def node_command(self, name: str, args: list[str]) -> list[str]:
-        """The ``ray start`` command line of one node: loopback address, its own temp
-        dir, and a free dashboard-agent port (Ray's fixed default would collide between
-        nodes on one machine)."""
-        return [_ray_exe(), "start", "--block", "--disable-usage-stats",
-                "--node-ip-address", HOST, "--temp-dir", str(self.dir / name),
-                "--dashboard-agent-listen-port", str(free_port()), *args]
+        """The ``ray start`` command line of one node: its own temp dir, a free
+        dashboard-agent port (Ray's fixed default 52365 would collide between nodes on
+        one machine) and port 0 (the OS picks a free one at bind time) for the raylet's
+        node and object managers, the metrics exporter and the agents' gRPC and runtime
+        env ports. The node IP is set by ``head_args`` / ``node_env``."""
+        return [sys.executable, str(Path(__file__).resolve()), "_ray_start", "--block",
+                "--disable-usage-stats", "--node-ip-address", HOST,
+                "--temp-dir", str(self.dir / name),
+                "--dashboard-agent-listen-port", str(free_port()),
+                "--dashboard-agent-grpc-port", "0", "--runtime-env-agent-port", "0",
+                "--node-manager-port", "0", "--object-manager-port", "0",
+                "--metrics-export-port", "0", *args]
 
     @staticmethod
-    def head_args(port: int, dashboard_port: int, head_cpus: int, object_store_mb: int) -> list[str]:
-        """Head-only flags: the dashboard / job API bound to 127.0.0.1 only."""
-        return ["--head", "--port", str(port), "--num-cpus", str(head_cpus),
+    def head_args(port: int, dashboard_port: int, head_cpus: int, object_store_mb: int,
+                  client_port: Optional[int] = None) -> list[str]:
+        """Head-only flags: node IP 127.0.0.1, the dashboard / job API bound to 127.0.0.1
+        only, the Ray client server on a free port (Ray's default 10001 is fixed)."""
+        return ["--head", "--port", str(port),
+                "--ray-client-server-port", str(client_port or free_port()),
+                "--num-cpus", str(head_cpus),
                 "--include-dashboard", "true", "--dashboard-host", HOST,
                 "--dashboard-port", str(dashboard_port),
                 "--object-store-memory", str(object_store_mb * 1024 * 1024)]
+
+    @staticmethod
+    def node_env(head: bool) -> dict[str, str]:
+        """The head's autoscaler and dashboard metrics servers on free ports (fixed
+        44217/44227 by default; they bind to 127.0.0.1 with the node IP)."""
+        if not head:
+            return {}
+        return {"AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port())}
 
     def _spawn(self, name: str, args: list[str], attempts: int = 3) -> dict[str, Any]:
         """Start one node, retrying: ``ray start`` gives a raylet a fixed 30 s to
@@ -140,7 +173,7 @@ class LocalCluster:
     def _spawn_once(self, name: str, args: list[str]) -> dict[str, Any]:
         """Start one ``ray start --block`` in its own session; wait until it is up."""
         log = self.dir / f"{name}.log"
-        env = {**os.environ, **self.env()}
+        env = {**os.environ, **self.env(), **self.node_env(name == "head")}
         # Job entrypoints run `python ...` through the head node's PATH: make that this
         # interpreter (the project's venv), as a cluster image's python would be.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -161,6 +194,7 @@ class LocalCluster:
                                    f"log {log}:\n{log.read_text()[-3000:]}")
             # `ray start` prints this once every process of the node is up.
             if "Ray runtime started" in log.read_text(errors="replace"):
+                self._narrow_temp_dir(self.dir / name)
                 return {"name": name, "pid": proc.pid, "cpus": None, "log": str(log)}
             time.sleep(0.5)
         _kill_group(proc.pid)
@@ -172,16 +206,13 @@ class LocalCluster:
         ``cpus`` CPUs each. The head gets ``head_cpus`` (default 0: like a real cluster,
         it only runs the job driver and the Train controller, which need no CPU)."""
         if self.state().get("nodes"):
-            raise SystemExit(f"a cluster is already recorded in {self.state_file}; "
+            raise UsageError(f"a cluster is already recorded in {self.state_file}; "
                              "run `stop` first")
         if dashboard_port and not _port_free(dashboard_port):
-            raise SystemExit(f"port {dashboard_port} is taken (another Ray dashboard?); "
+            raise UsageError(f"port {dashboard_port} is taken (another Ray dashboard?); "
                              "pass --dashboard-port 0 for a free one")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # A fresh random token per cluster, readable only by its owner.
-        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+        check_private_dir(self.dir, create=True)
+        write_token(self.token_file)
         st = {"port": port or free_port(), "dashboard_port": dashboard_port or free_port(),
               "object_store_mb": object_store_mb, "nodes": [], "next_id": 1}
         self._save(st)
@@ -203,7 +234,7 @@ class LocalCluster:
         """Join one more worker node of ``cpus`` CPUs to the running cluster."""
         st = self.state()
         if not st.get("nodes"):
-            raise SystemExit("no cluster running here; `start` one first")
+            raise UsageError("no cluster running here; `start` one first")
         name = f"worker{st['next_id']}"
         st["next_id"] += 1
         self._save(st)
@@ -223,10 +254,10 @@ class LocalCluster:
         st = self.state()
         workers = [n for n in st.get("nodes", []) if n["name"] != "head"]
         if not workers:
-            raise SystemExit("no worker node to remove")
+            raise UsageError("no worker node to remove")
         node = next((n for n in workers if n["name"] == name), None) if name else workers[-1]
         if node is None:
-            raise SystemExit(f"no worker node named {name!r}; have {[n['name'] for n in workers]}")
+            raise UsageError(f"no worker node named {name!r}; have {[n['name'] for n in workers]}")
         _kill_group(node["pid"], grace_s)
         st["nodes"] = [n for n in st["nodes"] if n["name"] != node["name"]]
         self._save(st)
@@ -263,6 +294,24 @@ class LocalCluster:
         """Names of recorded nodes whose process group still exists."""
         return [n["name"] for n in self.state().get("nodes", []) if _group_alive(n["pid"])]
 
+    def pids(self) -> list[int]:
+        """Every process of this cluster's nodes (each ``ray start`` and its descendants)."""
+        return [p for n in self.state().get("nodes", []) for p in process_tree(n["pid"])]
+
+    def listeners_outside_loopback(self) -> list[str]:
+        """TCP listeners of this cluster's processes on anything but 127.0.0.0/8 or ::1
+        (``[]`` is what ``start`` promises)."""
+        return listeners_outside_loopback(self.pids())
+
+    @staticmethod
+    def _narrow_temp_dir(node_dir: Path) -> None:
+        """Ray makes every directory it creates mode 777 ("so others can use it"); put
+        the node's temp dir and its session dirs back to 0700. Files below them stay out
+        of reach anyway: the cluster dir above them is 0700."""
+        for d in [node_dir, *node_dir.glob("session_*")]:
+            if d.is_dir() and not d.is_symlink():
+                os.chmod(d, 0o700)
+
 
 def _group_alive(pgid: int) -> bool:
     try:
@@ -270,36 +319,6 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):  # gone, or the id was reused
         return False
-
-
-def _children_map() -> dict[int, list[int]]:
-    """ppid -> child pids, read from /proc (Linux; no psutil needed)."""
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the ")" that closes the command name: state, ppid, ...
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def _node_processes(pid: int) -> list[int]:
-    """The node's ``ray start`` process and all its descendants. Ray's worker processes
-    put themselves in process groups of their own, so signalling the node's group alone
-    would leave them to exit on their own; the process tree finds exactly them."""
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        if p not in out and Path(f"/proc/{p}").exists():
-            out.append(p)
-            todo.extend(children.get(p, []))
-    return out
 
 
 def _running(pid: int) -> bool:
@@ -314,8 +333,11 @@ def _kill_group(pgid: int, grace_s: float = 10.0) -> None:
     """SIGTERM the node's process group and every descendant of its ``ray start``
     (Ray's processes exit cleanly on it), then SIGKILL whatever is left after
     ``grace_s``. Only processes started by this node are ever signalled: the pids are
-    collected once, before any is signalled, so a reused pid is never hit later."""
-    procs = _node_processes(pgid)
+    collected once, before any is signalled, so a reused pid is never hit later. (Ray's
+    worker processes put themselves in process groups of their own, so signalling the
+    node's group alone would leave them to exit on their own; the process tree finds
+    exactly them.)"""
+    procs = process_tree(pgid)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pgid, sig)
@@ -339,6 +361,17 @@ def _kill_group(pgid: int, grace_s: float = 10.0) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_ray_start"]:  # a node's process, started by LocalCluster._spawn
+        return ray_start_on_loopback(argv[1:])
+    try:
+        return _main(argv)
+    except (UsageError, PrivateDirError) as e:  # bad input: exit 2, nothing started
+        print(f"local_cluster: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=os.environ.get("ELASTIC_DDP_CLUSTER_DIR", str(DEFAULT_DIR)),
                    help="cluster state, token and node temp dirs (default %(default)s; "
@@ -378,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "job_api": c.dashboard_url if st else None}, indent=1))
     elif args.cmd == "env":
         if not c.state().get("nodes"):
-            raise SystemExit(f"no cluster in {c.dir}")
+            raise UsageError(f"no cluster in {c.dir}")
         for k, v in {**c.env(), "RAY_API_SERVER_ADDRESS": c.dashboard_url}.items():
             print(f"export {k}={v}")
     return 0

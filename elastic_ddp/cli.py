@@ -91,12 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("submit", help="submit `train CONFIG` as a job to a running Ray cluster",
                         epilog=_CONFIG_EPILOG, formatter_class=fmt)
     _add_config_args(sb, "train.epochs=3; validated before submitting",
-                     "YAML preset inside this repo, e.g. experiments/configs/digits_cnn.yaml")
+                     "YAML preset inside a checkout, e.g. experiments/configs/digits_cnn.yaml "
+                     "(from any directory: the checkout holding it is uploaded)")
     sb.add_argument("--address", default=None,
                     help="job API (dashboard) URL; default $RAY_API_SERVER_ADDRESS, else "
                          "http://127.0.0.1:8265")
-    sb.add_argument("--runtime-env", default="cluster/runtime_env.yaml",
-                    help="runtime env YAML (default cluster/runtime_env.yaml)")
+    sb.add_argument("--runtime-env", default=None,
+                    help="runtime env YAML (default: cluster/runtime_env.yaml of the config's checkout)")
+    sb.add_argument("--allow-local-paths", action="store_true",
+                    help="submit to a non-loopback address even with relative or this machine's "
+                         "data/storage paths or a local MLflow store (refused otherwise, exit 2)")
     sb.add_argument("--submission-id", default=None, help="job id (default: run name + time)")
     sb.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's status")
 
@@ -141,9 +145,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         from elastic_ddp.data.scan import DataError
 
         if isinstance(e, DataError):
-            print(f"elastic-ddp: data error: {e}", file=sys.stderr)
+            print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)
             return 2
         raise
+
+
+def _ray_job_hint(args) -> str:
+    """Inside a Ray job (the job supervisor sets RAY_JOB_CONFIG_JSON_ENV_VAR) relative data
+    paths resolve in the job's uploaded copy of the working dir, which holds no data/:
+    "prepare the data" would be the wrong fix there."""
+    import os
+
+    if not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or args.cmd != "train":
+        return ""
+    return (f"\nnote: this is a Ray job running in its uploaded copy of the working dir "
+            f"({os.getcwd()}), which holds no data/ (.rayignore); relative data paths resolve "
+            "there. Pass absolute paths every node sees or URIs, e.g. --set "
+            "data.train_path=/abs/data/digits/train (`elastic-ddp submit` does this itself for "
+            "a cluster on this machine)")
 
 
 def _prepare(args) -> int:
@@ -177,7 +196,7 @@ def _submit(args) -> int:
     address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or DEFAULT_ADDRESS
     try:
         return submit(args.config, args.overrides, address, args.runtime_env, wait=args.wait,
-                      submission_id=args.submission_id)
+                      submission_id=args.submission_id, allow_local_paths=args.allow_local_paths)
     except SubmitError as e:
         print(f"elastic-ddp: submit failed: {e}", file=sys.stderr)
         return 1

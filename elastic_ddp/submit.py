@@ -3,12 +3,27 @@
     elastic-ddp submit experiments/configs/digits_cnn.yaml --address http://127.0.0.1:8265 --wait
 
 The job runs ``python -m elastic_ddp.cli train CONFIG --set ...`` on the head node with
-the runtime env of ``cluster/runtime_env.yaml``: the working directory (this repo, less
-what ``.rayignore`` keeps out) is uploaded and put on every worker's ``PYTHONPATH``, so
-the cluster runs exactly this checkout's code; the dependencies come from the cluster's
-image. ``${VAR}`` in the runtime env's ``env_vars`` is filled from the submitter's
-environment when set there (e.g. ``MLFLOW_TRACKING_URI``), else left for the cluster
-node to expand from its own environment (e.g. a Kubernetes secret).
+the runtime env of ``cluster/runtime_env.yaml``: the working directory (the checkout
+that holds the config, less what ``.rayignore`` keeps out) is uploaded and put on every
+worker's ``PYTHONPATH``, so the cluster runs exactly this checkout's code; the
+dependencies come from the cluster's image. The checkout is found from the config's own
+location (the nearest directory above it holding ``cluster/runtime_env.yaml``), never
+from the current directory, so ``submit`` works from anywhere.
+
+Paths: relative paths in the config resolve in the job's copy of the working dir, which
+has no data and is new at every submission. For a cluster on this machine (a loopback
+address) ``submit`` makes them absolute against the checkout; for any other address it
+refuses (exit 2) relative paths, absolute paths of this machine and a local MLflow store
+(sqlite, file) unless ``allow_local_paths``. The overrides it generates are quoted so
+that YAML reads each back as the same string (``proj #2``: `` #`` starts a comment).
+
+Secrets: the runtime env, entrypoint and metadata of a job are shown to anyone who can
+reach the job API (``ray job list``). ``${VAR}`` in the runtime env's ``env_vars`` is
+filled from the submitter's environment only for values that carry no credential (no
+``user:password@`` in a URL, no token-like variable name); otherwise it stays ``${VAR}``
+and the node expands it from its own environment (a Kubernetes Secret, the environment
+the cluster was started with). A config whose ``run.tracking_uri`` holds credentials is
+refused.
 
 Resubmitting a config with the same ``run.name`` and ``run.storage_path`` resumes: Ray
 Train restores the run's checkpoint manager from ``storage_path/name`` and hands the
@@ -18,27 +33,35 @@ MLflow run (a FINISHED run is complete and is never reopened).
 Token authentication: when the cluster has it on (Ray's default for new clusters), the
 request carries ``Authorization: Bearer <token>``, the token read from
 ``$RAY_AUTH_TOKEN``, else the file ``$RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``
-when ``RAY_AUTH_MODE=token``. The token never enters the job's runtime env or its logs.
+when ``RAY_AUTH_MODE=token``. The token never enters the job's runtime env or its logs;
+sending it over plain ``http://`` to a non-loopback address prints a warning.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import secrets
 import shlex
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
-from urllib.parse import urlparse
+from typing import Any, Mapping, Optional
 
 import yaml
 
 from elastic_ddp.config import Config, ConfigError
+from elastic_ddp.submit_checks import (CLUSTER_MLFLOW_FIX, PATH_FIELDS, SECRET_NAME,
+                                       cleartext_token_warning, effective_tracking_uri,
+                                       has_credentials, is_local_address, is_uri,
+                                       local_only_settings, yaml_value)
 
-DEFAULT_RUNTIME_ENV = "cluster/runtime_env.yaml"
+__all__ = ["Submission", "SubmitError", "auth_headers", "build_entrypoint", "cleartext_token_warning",
+           "has_credentials", "is_local_address", "load_runtime_env", "local_only_settings",
+           "localize_overrides", "prepare", "project_root", "submit", "yaml_value"]
+
+DEFAULT_RUNTIME_ENV = "cluster/runtime_env.yaml"  # relative to the checkout of the config
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -68,76 +91,104 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def is_local_address(address: str) -> bool:
-    """True for a job API on this machine (loopback): the cluster then shares this
-    machine's file system, so relative paths can be made absolute for it."""
-    host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def project_root(config: str | os.PathLike) -> Path:
+    """The checkout a config belongs to: the nearest directory above it that holds
+    ``cluster/runtime_env.yaml``. Raises ConfigError when there is none."""
+    cfg = Path(config).resolve()
+    for d in cfg.parents:
+        if (d / DEFAULT_RUNTIME_ENV).is_file():
+            return d
+    import elastic_ddp
+
+    pkg_root = Path(elastic_ddp.__file__).resolve().parents[1]
+    raise ConfigError(
+        f"config {config} is not inside an elastic-ddp checkout (no {DEFAULT_RUNTIME_ENV} in "
+        f"any directory above it), and only the checkout is uploaded to the cluster; put it "
+        f"under {pkg_root}/experiments/configs/, or pass --runtime-env with a working_dir "
+        "that holds it")
 
 
-def load_runtime_env(path: str | os.PathLike, environ: Optional[dict] = None) -> dict[str, Any]:
+def load_runtime_env(path: str | os.PathLike, environ: Optional[Mapping[str, str]] = None,
+                     notes: Optional[list[str]] = None) -> dict[str, Any]:
     """Read a runtime env YAML; fill ``${VAR}`` in ``env_vars`` from ``environ`` (the
-    submitter's environment) where set. Unset ones stay ``${VAR}`` for the cluster node
-    to expand (Ray expands them from the worker's environment, "" if unset there)."""
+    submitter's environment) where set and safe to publish. Variables with a secret-like
+    name, or a value carrying credentials, stay ``${VAR}`` for the cluster node to
+    expand (Ray does, "" if unset there); each such case appends a line to ``notes``.
+
+    Raises:
+        ConfigError: missing or malformed file, or a literal credential in env_vars.
+    """
     environ = os.environ if environ is None else environ
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"runtime env {p} not found; pass --runtime-env {DEFAULT_RUNTIME_ENV}")
+        raise ConfigError(f"runtime env {p} not found; pass --runtime-env FILE (default: "
+                          f"{DEFAULT_RUNTIME_ENV} of the config's checkout)")
     env = yaml.safe_load(p.read_text()) or {}
     if not isinstance(env, dict):
         raise ConfigError(f"{p}: a runtime env must be a mapping")
     env_vars = {}
     for k, v in (env.get("env_vars") or {}).items():
         v = "" if v is None else str(v)
-        env_vars[k] = _VAR.sub(lambda m: environ.get(m.group(1)) or m.group(0), v)
+        if not _VAR.search(v) and (has_credentials(v) or (SECRET_NAME.search(k) and v)):
+            raise ConfigError(f"{p}: env_vars.{k} holds a credential in the file; a job's "
+                              "runtime env is readable by anyone who can list jobs. Write "
+                              f"{k}: \"${{{k}}}\" and set it in the cluster nodes' environment")
+
+        def fill(m: re.Match) -> str:
+            name, value = m.group(1), environ.get(m.group(1))
+            if not value:
+                return m.group(0)
+            if SECRET_NAME.search(name) or has_credentials(value):
+                if notes is not None:
+                    fix = (CLUSTER_MLFLOW_FIX if name.startswith("MLFLOW_") else
+                           f"the job then uses the cluster nodes' own {name}")
+                    notes.append(f"{name} in your environment carries credentials, so it is "
+                                 "not sent with the job (runtime envs are shown by `ray job "
+                                 f"list`); {fix}")
+                return m.group(0)
+            return value
+
+        env_vars[k] = _VAR.sub(fill, v)
     if env_vars:
         env["env_vars"] = env_vars
     return env
 
 
-def localize_overrides(cfg: Config, overrides: list[str], cwd: Path) -> list[str]:
+@dataclass
+class Submission:
+    """What ``submit`` sends: the entrypoint, the runtime env and the metadata, plus what
+    it found on the way: ``notes`` (printed) and ``local_only`` (settings a cluster on
+    another machine cannot use; refused unless forced)."""
+
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str]
+    cfg: Config
+    root: Path
+    notes: list[str] = field(default_factory=list)
+    local_only: list[str] = field(default_factory=list)
+
+
+def localize_overrides(cfg: Config, root: Path, environ: Mapping[str, str]) -> list[str]:
     """For a cluster on this machine: ``--set`` overrides that make the config's
-    relative data/storage paths and a relative sqlite MLflow store absolute against the
-    submitter's directory. Without them the job would resolve them inside its uploaded
-    copy of the working dir, which has no data/ (``.rayignore``) and changes with every
-    code change, so a resubmission would not find its checkpoints."""
-    out = list(overrides)
-
-    def absolute(p: str) -> str:
-        return str((cwd / p).resolve())
-
-    for key, value in (("data.train_path", cfg.data.train_path),
-                       ("data.val_path", cfg.data.val_path),
-                       ("run.storage_path", cfg.run.storage_path)):
-        if value and "://" not in value and not Path(value).expanduser().is_absolute():
-            out.append(f"{key}={absolute(value)}")
-    uri = cfg.run.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    relative data/storage paths and a missing or relative sqlite MLflow store absolute
+    against the checkout ``root``, which is where the job would resolve them had its
+    upload carried them. Without them the job resolves them inside its uploaded copy
+    of the working dir, which has no data/ (``.rayignore``) and changes with every code
+    change, so a resubmission would not find its checkpoints. Values are quoted for YAML."""
+    added = []
+    for key in PATH_FIELDS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not is_uri(value) and not Path(value).expanduser().is_absolute():
+            added.append(f"{key}={yaml_value(str((root / value).resolve()))}")
+    uri = effective_tracking_uri(cfg, environ)
     if not uri:
-        out.append(f"run.tracking_uri=sqlite:///{cwd.resolve() / 'mlflow.db'}")
+        added.append("run.tracking_uri=" + yaml_value(f"sqlite:///{root / 'mlflow.db'}"))
     elif uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        out.append(f"run.tracking_uri=sqlite:///{absolute(uri[len('sqlite:///'):])}")
-    return out
-
-
-def remote_warnings(cfg: Config) -> list[str]:
-    """What will not survive on a remote cluster: relative paths and local stores."""
-    warn = []
-    for key, value in (("data.train_path", cfg.data.train_path),
-                       ("run.storage_path", cfg.run.storage_path)):
-        if "://" not in value and not value.startswith("/"):
-            warn.append(f"{key}={value!r} is relative: it resolves inside the job's copy of "
-                        f"the working dir on the head node; use shared storage (s3://, gs://, "
-                        f"an NFS path) so every node and every resubmission sees it")
-    uri = cfg.run.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
-    if not uri or uri.startswith("sqlite"):
-        warn.append("MLflow store is a local sqlite file: set MLFLOW_TRACKING_URI to a "
-                    "tracking server the cluster can reach (see cluster/mlflow_server.sh)")
-    return warn
+        path = (root / uri[len("sqlite:///"):]).resolve()
+        added.append("run.tracking_uri=" + yaml_value(f"sqlite:///{path}"))
+    return added
 
 
 def build_entrypoint(config_rel: str, overrides: list[str]) -> str:
@@ -149,61 +200,111 @@ def build_entrypoint(config_rel: str, overrides: list[str]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _root_and_env_file(config: str, runtime_env_path: Optional[str]) -> tuple[Optional[Path], Path]:
+    """The config's checkout (None when it has none and a runtime env is given) and the
+    runtime env file: by default the checkout's own; a relative ``--runtime-env`` is
+    taken from the current directory when it exists there, else from the checkout."""
+    try:
+        root: Optional[Path] = project_root(config)
+    except ConfigError:
+        if runtime_env_path is None:
+            raise
+        root = None
+    if runtime_env_path is None:
+        return root, root / DEFAULT_RUNTIME_ENV
+    p = Path(runtime_env_path).expanduser()
+    if p.is_absolute() or p.is_file() or root is None:
+        return root, p.resolve()
+    return root, root / p
+
+
 def prepare(config: str, overrides: list[str], address: str,
-            runtime_env_path: str = DEFAULT_RUNTIME_ENV, cwd: Optional[Path] = None):
-    """Validate the config and build (entrypoint, runtime_env, cfg) without submitting.
+            runtime_env_path: Optional[str] = None,
+            environ: Optional[Mapping[str, str]] = None) -> Submission:
+    """Validate the config and build the submission without contacting the cluster.
+    A relative ``working_dir`` in the runtime env is relative to the config's checkout.
 
     Raises:
-        ConfigError: invalid config, runtime env, or a config outside the working dir.
+        ConfigError: invalid config or runtime env, a config outside the working dir,
+            or credentials in ``run.tracking_uri``.
     """
-    cwd = (cwd or Path.cwd()).resolve()
+    environ = os.environ if environ is None else environ
     cfg = Config.load(config, overrides)  # refuse a bad config before touching the cluster
-    env = load_runtime_env(cwd / runtime_env_path if not Path(runtime_env_path).is_absolute()
-                           else runtime_env_path)
+    if cfg.run.tracking_uri and has_credentials(cfg.run.tracking_uri):
+        raise ConfigError("run.tracking_uri carries credentials, which would be shown to "
+                          "anyone who can list the cluster's jobs; pass it without them: "
+                          + CLUSTER_MLFLOW_FIX)
+    root, env_file = _root_and_env_file(config, runtime_env_path)
+    notes: list[str] = []
+    env = load_runtime_env(env_file, environ, notes)
     wd = Path(env.get("working_dir", ".")).expanduser()
-    wd = (cwd / wd).resolve() if not wd.is_absolute() else wd
+    if not wd.is_absolute():
+        wd = ((root or project_root(config)) / wd).resolve()
     env["working_dir"] = str(wd)
-    rel = os.path.relpath(Path(config).resolve(), wd)
+    rel = Path(os.path.relpath(Path(config).resolve(), wd)).as_posix()
     if rel.startswith(".."):
         raise ConfigError(f"config {config} is outside the uploaded working dir {wd}; put it "
                           "under experiments/configs/ (only the working dir reaches the cluster)")
+    root = root or wd
+    local_only: list[str] = []
     if is_local_address(address):
-        added = localize_overrides(cfg, overrides, cwd)[len(overrides):]
+        added = localize_overrides(cfg, root, environ)
         if added:
             # A loopback address may also be a tunnel (SSH, kubectl port-forward) to a
             # remote cluster, where these paths do not exist: say what was assumed.
-            print("elastic-ddp submit: loopback job API, assuming the cluster shares this "
-                  "machine's file system: " + " ".join(f"--set {a}" for a in added)
-                  + " (pass absolute paths or URIs for a tunnelled remote cluster)",
-                  file=sys.stderr)
+            notes.append("loopback job API, assuming the cluster shares this machine's file "
+                         "system: " + " ".join(f"--set {shlex.quote(a)}" for a in added)
+                         + " (pass absolute paths or URIs for a tunnelled remote cluster)")
         overrides = [*overrides, *added]
         cfg = Config.load(config, overrides)
-    return build_entrypoint(rel, overrides), env, cfg
+    else:
+        local_only = local_only_settings(cfg, root, environ)
+        if not effective_tracking_uri(cfg, environ):
+            notes.append("no MLflow store given (run.tracking_uri, MLFLOW_TRACKING_URI): the "
+                         "job uses the cluster nodes' MLFLOW_TRACKING_URI; without one it "
+                         "writes a sqlite file into its temporary working dir")
+    metadata = {"elastic_ddp.run_name": cfg.run.name, "elastic_ddp.config": rel}
+    return Submission(build_entrypoint(rel, overrides), env, metadata, cfg, root, notes,
+                      local_only)
 
 
 def submit(config: str, overrides: list[str], address: str = DEFAULT_ADDRESS,
-           runtime_env_path: str = DEFAULT_RUNTIME_ENV, wait: bool = False,
-           submission_id: Optional[str] = None, out=sys.stdout) -> int:
+           runtime_env_path: Optional[str] = None, wait: bool = False,
+           submission_id: Optional[str] = None, allow_local_paths: bool = False,
+           out=sys.stdout) -> int:
     """Submit the job; with ``wait``, stream its logs and return its exit status
-    (the driver's exit code: 0 success, 1 training failed, 2 bad config/data)."""
+    (the driver's exit code: 0 success, 1 training failed, 2 bad config/data).
+
+    Raises:
+        ConfigError: what ``prepare`` refuses, and, for a non-loopback address, settings
+            only this machine can use (unless ``allow_local_paths``); nothing is sent.
+        SubmitError: the job API cannot be reached or refuses the request.
+    """
+    sub = prepare(config, overrides, address, runtime_env_path)
+    for note in sub.notes:
+        print(f"elastic-ddp submit: {note}", file=sys.stderr)
+    if sub.local_only and not allow_local_paths:
+        raise ConfigError(f"{address} is not this machine, and the job would use what only "
+                          "this machine has:\n  " + "\n  ".join(sub.local_only)
+                          + "\n(--allow-local-paths submits anyway)")
+    for w in sub.local_only:
+        print(f"elastic-ddp submit: warning (--allow-local-paths): {w}", file=sys.stderr)
+    headers = auth_headers()
+    if (w := cleartext_token_warning(address, headers)) is not None:
+        print(f"elastic-ddp submit: warning: {w}", file=sys.stderr)
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    entrypoint, env, cfg = prepare(config, overrides, address, runtime_env_path)
-    if not is_local_address(address):
-        for w in remote_warnings(cfg):
-            print(f"elastic-ddp submit: warning: {w}", file=sys.stderr)
     try:
-        client = JobSubmissionClient(address, headers=auth_headers())
+        client = JobSubmissionClient(address, headers=headers)
     except Exception as e:  # noqa: BLE001 - connection and auth errors, reworded
         raise SubmitError(f"cannot reach the Ray job API at {address}: {e}. Is the cluster "
                           "up (cluster/local_cluster.py status), the address the dashboard "
                           "port, and RAY_AUTH_TOKEN_PATH set for a token-auth cluster?") from e
-    sid = submission_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    job_id = client.submit_job(
-        entrypoint=entrypoint, runtime_env=env, submission_id=sid,
-        metadata={"elastic_ddp.run_name": cfg.run.name, "elastic_ddp.config": str(config)},
-    )
-    print(f"elastic-ddp submit: job {job_id} submitted to {address}\n  entrypoint: {entrypoint}\n"
+    name = sub.cfg.run.name
+    sid = submission_id or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    job_id = client.submit_job(entrypoint=sub.entrypoint, runtime_env=sub.runtime_env,
+                               submission_id=sid, metadata=sub.metadata)
+    print(f"elastic-ddp submit: job {job_id} submitted to {address}\n  entrypoint: {sub.entrypoint}\n"
           f"  logs: ray job logs --address {address} -f {job_id}\n"
           f"  stop: ray job stop --address {address} {job_id}", file=out, flush=True)
     if not wait:

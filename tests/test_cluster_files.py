@@ -13,6 +13,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -91,7 +93,12 @@ def test_entrypoints_are_real_subcommands_on_valid_configs():
         for argv in cmds:
             args = parser.parse_args(argv)  # SystemExit on an unknown subcommand/flag
             if args.cmd in ("train", "plan", "submit"):
-                cfg_path = ROOT / args.config
+                # `submit ~/elastic-ddp/experiments/configs/x.yaml` from another directory
+                # names a checkout elsewhere: check the preset of the same name here.
+                rel = args.config
+                if "experiments/configs/" in rel and not rel.startswith("experiments/"):
+                    rel = "experiments/configs/" + rel.split("experiments/configs/", 1)[1]
+                cfg_path = ROOT / rel
                 assert cfg_path.is_file(), f"{where}: config {args.config} is not in this repo"
                 Config.load(cfg_path, args.overrides)
                 checked += 1
@@ -270,6 +277,93 @@ def test_local_cluster_binds_to_loopback_with_token_auth(tmp_path):
     assert "os.killpg" in src
 
 
+def test_node_commands_take_no_fixed_port_and_keep_the_node_on_loopback():
+    """Ray's fixed defaults (GCS 6379, client 10001, dashboard agent 52365, metrics
+    44217/44227) collide when two clusters share the machine: every port is passed free
+    or 0, and every node runs `ray start` through the loopback wrapper."""
+    lc = _load_local_cluster()
+    c = lc.LocalCluster(Path("/tmp") / f"edc-t{os.getpid()}")
+    head = c.node_command("head", c.head_args(lc.free_port(), lc.free_port(), 0, 128))
+    worker = c.node_command("worker1", ["--address", "127.0.0.1:1234"])
+    for cmd in (head, worker):
+        assert cmd[1:3] == [str(CLUSTER / "local_cluster.py"), "_ray_start"]
+        args = dict(zip(cmd[3::1], cmd[4::1]))
+        assert args["--node-ip-address"] == "127.0.0.1"
+        for flag in ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
+                     "--dashboard-agent-grpc-port", "--runtime-env-agent-port"):
+            assert args[flag] == "0", flag
+        assert int(args["--dashboard-agent-listen-port"]) not in (0, 52365)
+    args = dict(zip(head[3:], head[4:]))
+    assert int(args["--ray-client-server-port"]) != 10001 and int(args["--port"]) != 6379
+    env = c.node_env(head=True)
+    assert {int(env["AUTOSCALER_METRIC_PORT"]), int(env["DASHBOARD_METRIC_PORT"])}.isdisjoint({44217, 44227})
+    assert c.node_env(head=False) == {}
+
+
+def _other_users_dir(tmp_path: Path) -> Path:
+    """A directory owned by someone else: as root, one handed to uid 65534 (nobody);
+    otherwise /, which root owns."""
+    if os.getuid() != 0:
+        return Path("/")
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o777)
+    os.chown(d, 65534, 65534)
+    return d
+
+
+def test_cluster_dir_is_private_and_refused_when_foreign_or_a_symlink(tmp_path):
+    from elastic_ddp.local_ray import PrivateDirError, check_private_dir
+
+    mine = tmp_path / "mine"
+    check_private_dir(mine, create=True)
+    assert oct(mine.stat().st_mode & 0o777) == "0o700" and mine.stat().st_uid == os.getuid()
+    mine.chmod(0o755)  # ours but open: narrowed
+    check_private_dir(mine)
+    assert oct(mine.stat().st_mode & 0o777) == "0o700"
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(PrivateDirError, match="is a symlink"):
+        check_private_dir(link, create=True)
+    with pytest.raises(PrivateDirError, match="belongs to uid .*, not to you"):
+        check_private_dir(_other_users_dir(tmp_path), create=True)
+
+
+def test_local_cluster_cli_refuses_a_foreign_cluster_dir_with_exit_2():
+    # Short paths: the cluster dir must fit Ray's socket-path limit to get this far.
+    tmp_path = Path(tempfile.mkdtemp(prefix="edc-", dir="/tmp"))
+    theirs = _other_users_dir(tmp_path)
+    for cmd in (["status"], ["start", "1", "1"]):
+        out = subprocess.run([sys.executable, str(CLUSTER / "local_cluster.py"), "--dir", str(theirs), *cmd],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert f"cluster dir {theirs} belongs to uid" in out.stderr and "--dir" in out.stderr
+    link = tmp_path / "l"
+    link.symlink_to(tmp_path)
+    out = subprocess.run([sys.executable, str(CLUSTER / "local_cluster.py"), "--dir", str(link), "status"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "is a symlink" in out.stderr
+    shutil.rmtree(tmp_path)
+
+
+def test_token_file_is_created_exclusively_and_never_through_a_symlink(tmp_path):
+    from elastic_ddp.local_ray import write_token
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    token = tmp_path / "auth_token"
+    token.symlink_to(victim)  # planted: writing through it would overwrite the victim
+    write_token(token)
+    assert victim.read_text() == "keep"
+    assert not token.is_symlink() and oct(token.stat().st_mode & 0o777) == "0o600"
+    assert len(token.read_text()) == 64
+    # The flags themselves: an existing name (file or symlink) is never opened.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with pytest.raises(FileExistsError):
+        os.open(token, flags, 0o600)
+    src = (ROOT / "elastic_ddp" / "local_ray.py").read_text()
+    assert "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600" in src
+
+
 def test_mlflow_server_script_binds_to_loopback_by_default(tmp_path):
     """Run the script with MLFLOW=echo: it prints the server command it would exec."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -284,3 +378,52 @@ def test_mlflow_server_script_binds_to_loopback_by_default(tmp_path):
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[out.index("--backend-store-uri") + 1] == "postgresql://mlflow@db/mlflow"
     assert out[out.index("--artifacts-destination") + 1] == "s3://bucket/mlflow"
+
+
+# --------------------------------------------------------------------------- launcher checks
+def _launcher_python_checks() -> list[str]:
+    """The launcher's setup commands that run ``python -c`` on torch, as written."""
+    cfg = _yaml_docs(CLUSTER / "launcher" / "aws-gpu.yaml")[0]
+    return [c for c in cfg["setup_commands"] if re.match(r"python -c ", c) and "torch" in c]
+
+
+def _run_setup_command(cmd: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """Run one setup command the way the launcher does (bash on the node), with this
+    venv's python first on PATH as the node's python."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_launcher_torch_checks_pass_with_the_installed_torch():
+    """Every torch check of the setup commands passes with torch 2.13 (installed here)."""
+    import torch
+
+    assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10)
+    checks = _launcher_python_checks()
+    assert any("assert" in c for c in checks)
+    for cmd in checks:
+        out = _run_setup_command(cmd)
+        assert out.returncode == 0, f"{cmd}\n{out.stderr}"
+
+
+@pytest.mark.parametrize("version,ok", [("2.3.1", False), ("1.13.1+cu117", False), ("2.4.0", True),
+                                        ("2.10.0+cu128", True), ("3.0.0a0+git1234", True)])
+def test_launcher_torch_version_check_against_a_fake_torch(tmp_path, version, ok):
+    """The same command lines against a stand-in ``torch`` package whose ``__version__``
+    is a plain ``str``: below 2.4 the check fails, naming the version; 2.4 and above it
+    passes. (Real torch has made ``__version__`` a ``TorchVersion`` with numeric
+    comparisons since 1.10, which is why the old ``torch.__version__ >= '2.4'`` passed on
+    torch 2.13; as a string comparison it fails for 2.10 and later, as this stand-in
+    shows on the old line. The check now compares integers itself.)"""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        f"import types\n__version__ = {version!r}\nversion = types.SimpleNamespace(cuda='12.8')\n")
+    (version_checks,) = [c for c in _launcher_python_checks() if "assert" in c]
+    out = _run_setup_command(version_checks, pythonpath=str(tmp_path))
+    assert (out.returncode == 0) == ok, out.stderr
+    if not ok:
+        assert f"need torch>=2.4, have {version}" in out.stderr

@@ -31,6 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "cluster" / "local_cluster.py"
 CONFIG = "experiments/configs/digits_cnn.yaml"
 TIMINGS: dict[str, float] = {}
+# Directory of the checkout copy the end-to-end submission runs from. `submit` quotes the
+# paths it generates (tests/test_submit_prepare.py: "proj #2", spaces, ?, @, :), but the
+# trainer cannot run in such a directory yet: launcher._run_dir_exists builds
+# f"file://{storage}", which pyarrow refuses to parse with a space and cuts at "#".
+E2E_CHECKOUT = "proj-2"
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -110,27 +115,6 @@ def test_submit_refuses_a_bad_config_before_contacting_a_cluster():
     assert "max_wrkers" in out.stderr
 
 
-def test_prepare_makes_paths_absolute_only_for_a_loopback_cluster(tmp_path):
-    from elastic_ddp.config import ConfigError
-    from elastic_ddp.submit import prepare, remote_warnings
-
-    cfg_path = str(ROOT / CONFIG)
-    local, env, _ = prepare(cfg_path, ["train.epochs=1"], "http://127.0.0.1:8265", cwd=ROOT)
-    assert local.startswith(f"python -m elastic_ddp.cli train {CONFIG} --set train.epochs=1")
-    assert f"data.train_path={ROOT}/data/digits/train" in local
-    assert f"run.storage_path={ROOT}/ray_results" in local
-    assert env["working_dir"] == str(ROOT)
-
-    remote, _, cfg = prepare(cfg_path, [], "http://ray-head.example:8265", cwd=ROOT)
-    assert "--set" not in remote  # a remote cluster's paths are not this machine's
-    assert any("run.storage_path" in w for w in remote_warnings(cfg))
-
-    outside = tmp_path / "cfg.yaml"
-    shutil.copy(cfg_path, outside)
-    with pytest.raises(ConfigError, match="outside the uploaded working dir"):
-        prepare(str(outside), [], "http://127.0.0.1:8265", cwd=ROOT)
-
-
 def test_auth_headers_follow_rays_token_sources(tmp_path, monkeypatch):
     from elastic_ddp.submit import SubmitError, auth_headers
 
@@ -166,22 +150,61 @@ def test_job_api_requires_the_token(cluster):
     assert oct(cluster.token_file.stat().st_mode & 0o777) == "0o600"
 
 
+def _checkout(parent: Path, data: Path) -> Path:
+    """A copy of this checkout under ``parent`` (what a job needs), with ``data/digits``
+    linked to the prepared data set, so the config's relative paths mean something."""
+    parent.mkdir(parents=True)
+    for rel in ("elastic_ddp", "experiments/configs", "cluster"):
+        shutil.copytree(ROOT / rel, parent / rel, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".rayignore", parent / ".rayignore")
+    (parent / "data").mkdir()
+    (parent / "data" / "digits").symlink_to(data)
+    return parent
+
+
+def test_every_listener_of_the_cluster_is_on_loopback(cluster):
+    """Every TCP listener of every process of both nodes (GCS, raylets, dashboard, agents,
+    client server, metrics servers, workers) is on 127.0.0.0/8, none on one of Ray's
+    fixed default ports; the cluster dir is private, the token file 0600."""
+    from elastic_ddp.local_ray import listeners
+
+    found = listeners(cluster.pids())
+    names = {name for _, name, _, _ in found}
+    assert {"gcs_server", "raylet"} <= names, names
+    assert cluster.listeners_outside_loopback() == []
+    assert not {port for *_, port in found} & {6379, 8265, 10001, 44217, 44227, 52365}
+    st = cluster.dir.stat()
+    assert st.st_uid == os.getuid() and oct(st.st_mode & 0o777) == "0o700"
+    assert oct(cluster.token_file.stat().st_mode & 0o777) == "0o600"
+
+
 def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_path):
+    """The CLI run from another directory on a config of another checkout: the checkout
+    is found from the config, its relative data/storage paths and the default MLflow
+    store are made absolute against it (not against the current directory)."""
     from elastic_ddp.checkpoint import load_state
 
+    root = _checkout(tmp_path / E2E_CHECKOUT / "repo", digits_data)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sets = ["--set", "model.hidden=32", "--set", "train.epochs=1", "--set", "train.log_every_steps=5",
+            "--set", "run.name=submit-e2e", "--set", "run.experiment_name=tests"]
     t0 = time.time()
-    out = _submit(cluster, ["--wait", *_overrides(digits_data, tmp_path, "submit-e2e")])
+    out = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit",
+                          str(root / CONFIG), "--address", cluster.dashboard_url, "--wait", *sets],
+                         cwd=elsewhere, env=_env(cluster), capture_output=True, text=True, timeout=1200)
     TIMINGS["job_1_epoch_s"] = time.time() - t0
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-5000:]
     assert "SUCCEEDED" in out.stdout
 
-    ckpts = sorted((tmp_path / "ray_results" / "submit-e2e").glob("checkpoint_*"))
-    assert ckpts, "no checkpoint written under run.storage_path"
+    ckpts = sorted((root / "ray_results" / "submit-e2e").glob("checkpoint_*"))
+    assert ckpts, "no checkpoint written under the checkout's ray_results"
     state = load_state(ckpts[-1])  # weights_only=True load + format check
     assert state["epoch"] == 1 and state["step"] > 0
+    assert not list(elsewhere.iterdir())  # nothing landed in the submitter's directory
 
-    runs = mlflow_runs(tmp_path)
+    runs = mlflow_runs(root)
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
@@ -189,11 +212,91 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
 
     # The epoch-end validation was logged at the checkpoint's step ('step' itself is
     # logged every log_every_steps, so its last value may be a few steps earlier).
-    val = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id, "val_acc")
+    val = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_metric_history(run.info.run_id, "val_acc")
     assert val and val[-1].step == state["step"]
     assert json.loads(run.data.tags["elastic_ddp.world_sizes_seen"]) == [2]
+    assert run.data.params["data.train_path"] == str((root / "data" / "digits" / "train").resolve())
     # Both nodes are still up: the job did not take the cluster down with it.
     assert cluster.alive() == ["head", "worker1"]
+
+
+def _documented_ray_job_submit() -> str:
+    """The raw `ray job submit` line of cluster/runtime_env.yaml's header, joined."""
+    lines = [ln[1:].strip() for ln in (ROOT / "cluster" / "runtime_env.yaml").read_text().splitlines()
+             if ln.startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("ray job submit"))
+    cmd = []
+    for ln in lines[start:]:
+        cmd.append(ln.removesuffix("\\").strip())
+        if not ln.endswith("\\"):
+            break
+    return " ".join(cmd)
+
+
+def test_documented_ray_job_submit_line_trains(cluster, digits_data, tmp_path):
+    """The `ray job submit` line documented in cluster/runtime_env.yaml, run by bash from
+    the root of a checkout with data/digits prepared: only the address is this test
+    cluster's, and two overrides keep the job short."""
+    cmd = _documented_ray_job_submit()
+    readme = (ROOT / "cluster" / "README.md").read_text().replace("\\\n", " ")
+    assert " ".join(cmd.split()) in " ".join(readme.split()), "cluster/README.md shows another line"
+    assert "--address http://127.0.0.1:8265" in cmd
+    cmd = cmd.replace("http://127.0.0.1:8265", cluster.dashboard_url)
+    cmd += " --set train.epochs=1 --set model.hidden=16 --set run.name=documented-line"
+    root = _checkout(tmp_path / "repo", digits_data)
+    env = _env(cluster)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # this venv's `ray`
+    out = subprocess.run(["bash", "-c", cmd], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-5000:]
+    assert "succeeded" in log.lower()
+    (run,) = mlflow_runs(root, experiment_name="elastic-ddp")
+    assert run.info.status == "FINISHED"
+    assert sorted((root / "ray_results" / "documented-line").glob("checkpoint_*"))
+
+
+def test_credentials_in_the_submitters_env_stay_out_of_the_job(cluster, tmp_path):
+    """A tracking URI with a password in the submitter's environment appears nowhere in
+    what the cluster stores about the job (runtime env, entrypoint, metadata: what
+    `ray job list` shows to anyone holding the token)."""
+    from ray.job_submission import JobSubmissionClient
+
+    from elastic_ddp.submit import auth_headers
+
+    secret = "pw-7d1e-never-shown"
+    env = {**_env(cluster), "MLFLOW_TRACKING_URI": f"https://alice:{secret}@mlflow.example.com"}
+    out = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit", CONFIG,
+                          "--address", cluster.dashboard_url, "--submission-id", "secret-check",
+                          "--set", f"run.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                          "--set", "train.epochs=1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "carries credentials, so it is not sent" in out.stderr
+    old = {k: os.environ.get(k) for k in cluster.env()}
+    os.environ.update(cluster.env())  # auth_headers reads the token path from the env
+    try:
+        client = JobSubmissionClient(cluster.dashboard_url, headers=auth_headers())
+        deadline = time.time() + 300
+        while str(client.get_job_status("secret-check")) == "PENDING" and time.time() < deadline:
+            time.sleep(0.5)
+        # With a job driver connected, the cluster still listens on loopback only.
+        assert cluster.listeners_outside_loopback() == []
+        client.stop_job("secret-check")
+        stored = json.dumps([j.model_dump() if hasattr(j, "model_dump") else vars(j) for j in client.list_jobs()],
+                            default=str)
+        listed = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "list",
+                                 "--address", cluster.dashboard_url],
+                                env=_env(cluster), capture_output=True, text=True, timeout=120)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert "secret-check" in stored and "secret-check" in listed.stdout, listed.stderr
+    assert secret not in stored and "alice" not in stored
+    assert secret not in listed.stdout + listed.stderr
 
 
 @pytest.mark.slow

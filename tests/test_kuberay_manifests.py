@@ -1,0 +1,185 @@
+"""``cluster/kuberay/*.yaml`` are accepted by every KubeRay release their header claims.
+
+Each ``ray.io/v1`` document is validated against the OpenAPI schema of its CRD, as
+vendored from each release into ``tests/data/kuberay-crd/`` by
+``cluster/kuberay/vendor_crds.py``. The API server prunes or (with strict field
+validation, kubectl's default) rejects fields a CRD does not declare, so here an
+unknown field is an error: ``additionalProperties: false`` wherever the schema lists
+``properties`` and does not say ``x-kubernetes-preserve-unknown-fields``. Not checked:
+the CEL rules (``x-kubernetes-validations``) and the operator's own webhook checks.
+Fast: no cluster, no network.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBERAY = ROOT / "cluster" / "kuberay"
+SCHEMAS = ROOT / "tests" / "data" / "kuberay-crd"
+MANIFESTS = {"RayCluster": KUBERAY / "raycluster.yaml", "RayJob": KUBERAY / "rayjob.yaml"}
+PLURAL = {"RayCluster": "rayclusters", "RayJob": "rayjobs"}
+
+
+def claimed_releases() -> list[str]:
+    """The KubeRay releases the manifests say they support (``# KubeRay releases: ...``
+    in raycluster.yaml's header): the ones this test must validate against."""
+    m = re.search(r"KubeRay releases:\s*([v0-9., ]+)", MANIFESTS["RayCluster"].read_text())
+    assert m, "raycluster.yaml's header must list the KubeRay releases it supports"
+    return [v.strip() for v in m.group(1).split(",") if v.strip()]
+
+
+RELEASES = claimed_releases()
+
+
+def strict(schema: dict) -> dict:
+    """A Kubernetes structural schema as a JSON Schema that refuses unknown fields.
+
+    * ``properties`` without ``x-kubernetes-preserve-unknown-fields``: unknown keys are
+      errors (``additionalProperties: false``), as the API server prunes/rejects them;
+    * ``x-kubernetes-int-or-string``: an integer or a string (controller-gen also writes
+      the ``anyOf``; added where it is missing);
+    * ``nullable: true``: null is allowed too.
+    """
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (strict(v) if k not in ("enum", "default", "required") else v) for k, v in schema.items()}
+    if "properties" in schema:
+        out["properties"] = {k: strict(v) for k, v in schema["properties"].items()}
+        if not schema.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+    if schema.get("x-kubernetes-int-or-string") and "anyOf" not in schema:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        out.pop("type", None)
+    if schema.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+@lru_cache(maxsize=None)
+def validator(release: str, kind: str) -> jsonschema.Draft7Validator:
+    path = SCHEMAS / f"{release}-{PLURAL[kind]}.json.gz"
+    assert path.is_file(), (f"{path} missing: run `python cluster/kuberay/vendor_crds.py` "
+                            "with the release's CRDs")
+    return jsonschema.Draft7Validator(strict(json.loads(gzip.decompress(path.read_bytes()))))
+
+
+def errors(release: str, doc: dict) -> list[str]:
+    """Schema errors of one ``ray.io/v1`` document, each as ``path: message``."""
+    v = validator(release, doc["kind"])
+    return sorted(f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+                  for e in v.iter_errors(doc))
+
+
+def ray_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text())
+            if isinstance(d, dict) and d.get("apiVersion") == "ray.io/v1"]
+
+
+def test_every_claimed_release_is_vendored():
+    assert RELEASES == ["v1.5.1", "v1.6.0", "v1.7.0"]
+    for rel in RELEASES:
+        for plural in PLURAL.values():
+            f = SCHEMAS / f"{rel}-{plural}.json.gz"
+            assert f.is_file() and f.stat().st_size < 1_000_000, f
+    # rayjob.yaml claims the same releases (it is used with raycluster.yaml).
+    assert f"KubeRay releases: {', '.join(RELEASES)}" in MANIFESTS["RayJob"].read_text()
+
+
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("kind", sorted(MANIFESTS))
+def test_manifest_validates_against_release(release, kind):
+    docs = [d for d in ray_docs(MANIFESTS[kind]) if d["kind"] == kind]
+    assert len(docs) == 1
+    assert errors(release, docs[0]) == []
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_planted_unknown_fields_are_refused(release):
+    """The validation can fail: a misspelt field anywhere, at the top of the spec or deep
+    in a pod template, and a field of a newer release, are each reported by path."""
+    cluster = ray_docs(MANIFESTS["RayCluster"])[0]
+    plants = {
+        "spec.headGroupSpec.rayStartParam": lambda d: d["spec"]["headGroupSpec"].__setitem__("rayStartParam", {}),
+        "spec.workerGroupSpecs.0.minReplica": lambda d: d["spec"]["workerGroupSpecs"][0].__setitem__("minReplica", 1),
+        "spec.workerGroupSpecs.0.template.spec.containers.0.envv":
+            lambda d: d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].__setitem__("envv", []),
+        "spec.authOptions.tokenSecret": lambda d: d["spec"]["authOptions"].__setitem__("tokenSecret", "x"),
+    }
+    for where, plant in plants.items():
+        doc = copy.deepcopy(cluster)
+        plant(doc)
+        found = errors(release, doc)
+        parent = where.rsplit(".", 1)[0]
+        assert any(e.startswith(parent + ":") and "Additional properties" in e and where.rsplit(".", 1)[1] in e
+                   for e in found), (where, found)
+    job = copy.deepcopy(ray_docs(MANIFESTS["RayJob"])[0])
+    job["spec"]["entrypointt"] = "x"
+    assert any("entrypointt" in e for e in errors(release, job))
+
+
+def test_a_field_of_a_newer_release_is_refused_by_the_older_one():
+    """What the old manifest got wrong: ``authOptions.secretName`` exists only from
+    KubeRay 1.6.0, so 1.5.1 refuses it while 1.6.0 accepts it."""
+    doc = copy.deepcopy(ray_docs(MANIFESTS["RayCluster"])[0])
+    doc["spec"]["authOptions"] = {"mode": "token", "secretName": "elastic-ddp-ray-token"}
+    assert any(e.startswith("spec.authOptions:") and "secretName" in e for e in errors("v1.5.1", doc))
+    assert errors("v1.6.0", doc) == []
+
+
+def test_types_are_checked_too():
+    """int-or-string quantities take both forms, a wrong type elsewhere is refused."""
+    doc = copy.deepcopy(ray_docs(MANIFESTS["RayCluster"])[0])
+    res = doc["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+    res["limits"]["cpu"] = 4  # an integer quantity is valid Kubernetes
+    assert errors("v1.5.1", doc) == []
+    doc["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
+    assert any("replicas" in e for e in errors("v1.5.1", doc))
+    doc["spec"]["workerGroupSpecs"][0]["replicas"] = 2
+    res["limits"]["cpu"] = ["4"]
+    assert any("limits.cpu" in e for e in errors("v1.5.1", doc))
+
+
+def test_rayjob_runtime_env_is_valid_for_ray():
+    from ray.runtime_env import RuntimeEnv
+
+    job = ray_docs(MANIFESTS["RayJob"])[0]
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    # working_dir is the repo inside the image (RuntimeEnv checks that the path exists,
+    # which it does only there).
+    workdir = re.search(r"^WORKDIR (\S+)", (ROOT / "cluster" / "Dockerfile").read_text(), re.M).group(1)
+    assert env.pop("working_dir") == workdir
+    RuntimeEnv(**env)
+    # Credentials reach the job from the cluster's pods (Kubernetes Secrets), never here.
+    assert "MLFLOW_TRACKING_URI" not in env.get("env_vars", {})
+
+
+def test_token_auth_uses_the_operator_secret_in_every_release():
+    """``authOptions: {mode: token}`` (KubeRay >= 1.5.1) makes the operator create the
+    Secret named after the cluster (key ``auth_token``) unless it exists, and set
+    RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container, the autoscaler and the RayJob
+    submitter; so no container sets them by hand (1.5.1 would append duplicates)."""
+    cluster = ray_docs(MANIFESTS["RayCluster"])[0]
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    job = ray_docs(MANIFESTS["RayJob"])[0]
+    containers = [c for g in [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+                  for c in g["template"]["spec"]["containers"]]
+    containers += job["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    for c in containers:
+        names = {e["name"] for e in c.get("env", [])}
+        assert not names & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, c["name"]
+    name = cluster["metadata"]["name"]
+    readme = (ROOT / "cluster" / "README.md").read_text()
+    assert f"secret generic {name} --from-literal=auth_token=" in readme
+    assert f"kubectl get secret {name} -o jsonpath='{{.data.auth_token}}'" in readme
