@@ -35,8 +35,10 @@ class TrainingError(RuntimeError):
 
 
 def _storage_path(cfg: Config) -> str:
+    from elastic_ddp.paths import is_uri, local_path
+
     p = cfg.run.storage_path
-    return p if "://" in p else str(Path(p).expanduser().resolve())
+    return p if is_uri(p) else local_path(p)
 
 
 def _init_ray(cfg: Config) -> None:
@@ -51,9 +53,12 @@ def _init_ray(cfg: Config) -> None:
     # Ray Data's read and transform tasks; the workers set their own torch thread counts.
     # address="local": without it ray.init auto-attaches to any Ray instance running on
     # this machine (another user's `ray start`) and then refuses num_cpus.
+    # Every listener on 127.0.0.1 (elastic_ddp.local_ray).
+    from elastic_ddp.local_ray import init_local_ray
+
     need = int(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 2
-    ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
-             configure_logging=True, logging_level="WARNING", log_to_driver=False)
+    init_local_ray(num_cpus=max(need, os.cpu_count() or 1), configure_logging=True,
+                   logging_level="WARNING", log_to_driver=False)
 
 
 class _Background:
@@ -261,7 +266,10 @@ def _with_ray_run_name(cfg: Config, storage: str, uri: str, run_id: str, resumed
 def _run_dir_exists(storage: str, name: str) -> bool:
     import pyarrow.fs
 
-    fs, base = pyarrow.fs.FileSystem.from_uri(storage if "://" in storage else f"file://{storage}")
+    from elastic_ddp.paths import uri_to_filesystem
+
+    # Never "file://" + path: a space, '#' or '?' in the path would break the URI.
+    fs, base = uri_to_filesystem(storage)
     return fs.get_file_info(f"{base.rstrip('/')}/{name}").type != pyarrow.fs.FileType.NotFound
 
 

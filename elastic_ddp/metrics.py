@@ -120,8 +120,18 @@ def step_breakdown(step_s: float, data_s: float, fwd_bwd_s: float, exposed_s: fl
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident-set high-water mark in bytes (``getrusage`` ru_maxrss is
-    KiB on Linux, bytes on macOS). Includes the Python interpreter and torch (~300 MB)."""
+    """This process's resident-set high-water mark in bytes: ``VmHWM`` of
+    ``/proc/self/status`` on Linux (per address space, so it starts afresh in a new
+    program), else ``getrusage`` ru_maxrss (KiB on Linux, bytes on macOS), which a child
+    inherits from its parent across ``fork``/``exec`` and so may read the parent's peak.
+    Includes the Python interpreter and torch (~300 MB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

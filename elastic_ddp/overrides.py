@@ -7,7 +7,8 @@ same whatever it looks like:
 * ``str`` fields (``run.name``, ``data.train_path``): the raw text, untouched. No YAML
   parsing, so ``2024`` stays a string, ``@nightly`` is allowed and ``sweep #2`` keeps
   its ``#2`` (YAML would read it as a comment). Empty is refused (an unset shell
-  variable, most likely).
+  variable, most likely). One exception: text in double quotes is a YAML double-quoted
+  string (``"a\tb"``), the form ``submit`` uses for values plain text cannot carry.
 * ``bool``: ``true`` or ``false``, case-insensitive; anything else (``yes``, ``1``) is
   refused rather than guessed.
 * ``int`` / ``float``: Python number syntax (``4``, ``2e-3``); anything else is refused.
@@ -170,6 +171,15 @@ def coerce_text(annotation: Any, text: str) -> Any:
         # fields take empty as null, and an empty name or path is never meant.
         raise _BadValue("is empty; give it a value (empty means null only for fields "
                         "that may be null)")
+    if len(text) >= 2 and text[0] == text[-1] == '"' and isinstance(tp, type) and issubclass(tp, str):
+        # A YAML double-quoted string: what `elastic-ddp submit` writes for values that
+        # would not survive as plain text (a tab, a leading space); escapes apply.
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = None
+        if isinstance(value, str):
+            return value
     # str and every other scalar type pydantic parses from a string (Path, Enum, ...):
     # the raw text, so nothing in it is lost to YAML (comments, quotes, '@', leading 0s).
     return text

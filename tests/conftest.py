@@ -55,10 +55,10 @@ def ray_cluster():
 
     if ray.is_initialized():  # a previous module leaked one; start clean
         ray.shutdown()
-    # address="local": always a fresh cluster of our own; without it ray.init attaches to
-    # any instance that `ray start` left on this machine (and then refuses num_cpus).
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=True,
-             logging_level="WARNING")
+    from elastic_ddp.local_ray import init_local_ray
+
+    # A fresh cluster of our own (address="local"), every listener on 127.0.0.1.
+    init_local_ray(num_cpus=4, configure_logging=True, logging_level="WARNING")
     try:
         yield ray
     finally:

@@ -35,7 +35,7 @@ TIMINGS: dict[str, float] = {}
 # paths it generates (tests/test_submit_prepare.py: "proj #2", spaces, ?, @, :), but the
 # trainer cannot run in such a directory yet: launcher._run_dir_exists builds
 # f"file://{storage}", which pyarrow refuses to parse with a space and cuts at "#".
-E2E_CHECKOUT = "proj-2"
+E2E_CHECKOUT = "proj #2"
 
 pytestmark = pytest.mark.timeout(1800)
 

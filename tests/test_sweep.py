@@ -72,9 +72,14 @@ def test_sweep_refuses_a_world_size_the_batch_cannot_carry(digits_data, tmp_path
     from elastic_ddp.sweep import child_config, parse_world_sizes
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    perm = Config.from_dict(digits_config(digits_data, tmp_path, {"data": {"order": "permutation"}}))
+    cfg8 = Config.from_dict(digits_config(digits_data, tmp_path, {"data": {"partitions": 8}}))
     assert parse_world_sizes("2, 1,2") == [1, 2]
     with pytest.raises(ConfigError, match="world-sizes"):
         parse_world_sizes("1,x")
     with pytest.raises(ConfigError, match="global_batch_size"):
-        child_config(cfg, 3, "t")            # 64 does not divide over 3 (fixed_global)
+        child_config(perm, 3, "t")           # permutation: 64 does not divide over 3
+    with pytest.raises(ConfigError, match="data.partitions=8"):
+        child_config(cfg8, 3, "t")           # windowed: 8 partitions do not divide over 3
+    assert child_config(cfg, 3, "t").scaling.max_workers == 3  # 60 partitions do
     assert child_config(cfg, 1, "t").scaling.max_workers == 1
