@@ -32,6 +32,9 @@ from elastic_ddp.data.scan import DataError, DatasetInfo
 from elastic_ddp.tasks.protocol import Task, TransformContext
 
 SEQ = "_edp_seq"  # bookkeeping column: which read item a row came from
+# Read/transform tasks in flight per rank: two keep one window decoding while the trainer
+# consumes the other (a window is thousands of rows, many steps' worth).
+READ_TASKS = 2
 
 
 class TransformError(DataError):
@@ -131,9 +134,15 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     if not windows:
         return iter(())
+    # No CPU reserved for the read and transform tasks, at most READ_TASKS of them at
+    # a time per rank: the training workers may hold every CPU of their nodes (a cluster
+    # sized by workers x cpus_per_worker), and a task waiting for a free CPU would stall
+    # the job forever. What it costs: the tasks share the cores with training.
+    remote = {"num_cpus": 0, "concurrency": READ_TASKS}
     ds = ray.data.read_datasource(window_source(info.files, info.schema, windows),
-                                  override_num_blocks=len(windows))
-    ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False)
+                                  override_num_blocks=len(windows), **remote)
+    ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False,
+                        **remote)
     return ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
 
 
