@@ -162,7 +162,8 @@ class StdlibLM(Task):
                 "bpb": nats / (n_bytes * math.log(2)), "nats": nats, "bytes": n_bytes}
 
     def tokens_per_sample(self, batch) -> Optional[int]:
-        # The trainer calls this once, on its first micro-batch, and multiplies by every
-        # step's samples: for documents of different lengths tokens_per_s is therefore
-        # an estimate (this micro-batch's mean of real predicted tokens per document).
+        # The trainer calls this on the first micro-batch of each logging window and
+        # multiplies it by the window's samples: with documents of different lengths
+        # tokens_per_s is therefore an estimate (that micro-batch's mean of real
+        # predicted tokens per document; padding is not counted).
         return max(1, round(float(batch["mask"][:, 1:].sum()) / batch["mask"].shape[0]))
