@@ -218,7 +218,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
                 result = trainer.fit()
         else:
             result = trainer.fit()
-        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks)
+        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, train_info.num_rows)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         msg = f"{type(e).__name__}: {e}"
         _close_failed(uri, run_id, tracker, msg, "FAILED")
@@ -274,7 +274,7 @@ def _run_dir_exists(storage: str, name: str) -> bool:
 
 
 def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
-            ledger_dir: Optional[str], marks: dict) -> Summary:
+            ledger_dir: Optional[str], marks: dict, n_train: int = 1) -> Summary:
     import ray
 
     from elastic_ddp.checkpoint import load_state
@@ -323,6 +323,7 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
             checkpoint_path=ckpt.path if ckpt is not None else None,
             mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
             skipped_steps=int(counters.get("skipped_steps", 0)),
+            epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
             tracking={k: snap[k] for k in ("delayed", "dropped", "last_error")})
         tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     tracking.finish_run(uri, run_id, ok=True)

@@ -258,7 +258,8 @@ class StepWindow:
         self.micro: dict[str, int] = {}
         self.probes = 0
         self.grad_bytes: Optional[int] = None
-        self.tokens_per_sample: Optional[int] = None
+        self.tokens = 0.0  # this rank's tokens (Task.tokens), summed over micro-batches
+        self.token_task = False
         self._clock: Optional[PhaseClock] = None
 
     def clock(self, device) -> PhaseClock:
@@ -307,7 +308,7 @@ class StepWindow:
         stats, sums = reduce_mean_max(
             per_rank, ws, device,
             extra_sums={"loss_sum": self.loss_sum, "count": float(self.count),
-                        **{f"m_{k}": self.metric_sums[k] for k in names}})
+                        "tokens": self.tokens, **{f"m_{k}": self.metric_sums[k] for k in names}})
         count = max(1.0, sums["count"])
         step_s_max = stats["step_time_s_max"] * n
         out = {k: v for k, v in stats.items() if not k.endswith("_min")}
@@ -320,8 +321,8 @@ class StepWindow:
             "step_time_s": stats["step_time_s_max"],
             "data_wait_frac": stats["data_wait_s_max"] / max(1e-12, stats["step_time_s_max"]),
         })
-        if self.tokens_per_sample:
-            out["tokens_per_s"] = throughput(self.samples * self.tokens_per_sample, step_s_max)
+        if self.token_task:
+            out["tokens_per_s"] = throughput(sums["tokens"], step_s_max)
         if self.grad_bytes is not None:
             out["grad_bytes"] = float(self.grad_bytes)
             out["allreduce_bytes_per_step"] = ring_allreduce_bytes(self.grad_bytes, ws)

@@ -45,6 +45,7 @@ class Summary:
     mlflow_ui_command: str = ""
     skipped_steps: int = 0
     tracking: dict[str, Any] = field(default_factory=dict)
+    epochs_done: float = 0.0  # epochs + the finished share of the last one (max_steps)
 
 
 def goodput(committed_train_s: float, wall_s: float) -> float:
@@ -142,7 +143,7 @@ def format_summary(s: Summary) -> str:
     metrics = " ".join(f"{k}={v:.4f}" for k, v in s.metrics.items()) or "(no validation split)"
     lines = ["", "=== elastic-ddp summary ===",
              f"validation:       {metrics}",
-             f"steps / epochs:   {s.steps} / {s.epochs}",
+             f"steps / epochs:   {s.steps} / {s.epochs_done:.2f}",
              f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training-step "
              "time / wall time)",
              f"world sizes:      {s.world_sizes_seen}   restarts: {s.restarts}"]

@@ -191,6 +191,38 @@ def localize_overrides(cfg: Config, root: Path, environ: Mapping[str, str]) -> l
     return added
 
 
+def _ship_task_files(cfg: Config, wd: Path, local: bool) -> list[str]:
+    """``--set`` overrides that point ``task.path`` / ``model.factory`` files at their copy
+    in the uploaded working dir (the job resolves a relative path there).
+
+    Raises:
+        ConfigError: a file named there is missing, or outside the working dir for a
+            cluster that is not on this machine (only the working dir is uploaded).
+    """
+    added = []
+    for key, spec in (("task.path", cfg.task.path), ("model.factory", cfg.model.factory)):
+        if not spec or ":" not in spec:
+            continue
+        mod, _, attr = spec.rpartition(":")
+        if not (mod.endswith(".py") or "/" in mod):
+            continue  # an importable module: the image or the working dir provides it
+        p = Path(mod).expanduser()
+        p = p if p.is_absolute() else (wd / p)
+        if not p.is_file():
+            raise ConfigError(f"{key}={spec!r}: {p} not found (a relative path is taken from "
+                              f"the uploaded working dir {wd})")
+        rel = Path(os.path.relpath(p.resolve(), wd))
+        if rel.as_posix().startswith(".."):
+            if local:
+                continue  # this machine's file system: the job reads it where it is
+            raise ConfigError(f"{key}={spec!r}: {p} is outside the uploaded working dir {wd}, so "
+                              "the cluster would not have it; move it under the checkout (e.g. "
+                              "experiments/) or install it in the cluster's image")
+        if Path(mod).is_absolute():
+            added.append(f"{key}={yaml_value(f'{rel.as_posix()}:{attr}')}")
+    return added
+
+
 def build_entrypoint(config_rel: str, overrides: list[str]) -> str:
     """The job's shell command. ``python -m`` rather than the ``elastic-ddp`` script:
     the uploaded working dir is on the path, an installed console script may not be."""
@@ -246,6 +278,7 @@ def prepare(config: str, overrides: list[str], address: str,
         raise ConfigError(f"config {config} is outside the uploaded working dir {wd}; put it "
                           "under experiments/configs/ (only the working dir reaches the cluster)")
     root = root or wd
+    overrides = [*overrides, *_ship_task_files(cfg, wd, is_local_address(address))]
     local_only: list[str] = []
     if is_local_address(address):
         added = localize_overrides(cfg, root, environ)

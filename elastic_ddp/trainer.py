@@ -299,8 +299,10 @@ class Trainer:
                 (loss_vec.float().sum() * (weight if b > a else 0.0)).backward()
             clock.stop(kind, t)
             w.micro[kind] = w.micro.get(kind, 0) + 1
-            if w.tokens_per_sample is None:
-                w.tokens_per_sample = task.tokens_per_sample(tensors) or 0
+            tokens = task.tokens(tensors) if b > a else None
+            if tokens is not None:
+                w.tokens += tokens
+                w.token_task = True
             # .item() is a device sync; free on CPU, one per micro-step on GPU.
             if b > a:
                 sums.append((float(loss_vec.detach().float().sum()),

@@ -230,3 +230,24 @@ def test_data_error_inside_a_ray_job_says_where_relative_paths_resolve(tmp_path)
     assert "this is a Ray job" in job.stderr and "--set data.train_path=/abs/" in job.stderr
     plain = subprocess.run(cmd, cwd=tmp_path, env=base, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 2 and "this is a Ray job" not in plain.stderr
+
+
+def test_task_file_outside_the_checkout_is_refused_for_a_remote_cluster(tmp_path):
+    """A task.path file that the uploaded working dir does not hold would be missing on
+    a remote cluster: refused before anything is sent; inside the checkout, an absolute
+    path is rewritten relative to the upload."""
+    from elastic_ddp.submit import prepare
+
+    repo = Path(__file__).resolve().parents[1]
+    outside = tmp_path / "my_task.py"
+    outside.write_text("import elastic_ddp\n")
+    cfg = str(repo / "experiments/examples/digits_png/config.yaml")
+    with pytest.raises(ConfigError, match=r"task\.path=.*outside the uploaded working dir"):
+        prepare(cfg, [f"task.path={outside}:T", "data.train_path=s3://b/t", "data.val_path=s3://b/v",
+                      "run.storage_path=s3://b/r", "run.tracking_uri=http://mlflow:5000"],
+                "http://10.0.0.5:8265", environ={})
+    inside = repo / "experiments/examples/digits_png/task.py"
+    sub = prepare(cfg, [f"task.path={inside}:DigitsPNG", "data.train_path=s3://b/t",
+                        "data.val_path=s3://b/v", "run.storage_path=s3://b/r",
+                        "run.tracking_uri=http://mlflow:5000"], "http://10.0.0.5:8265", environ={})
+    assert "task.path=experiments/examples/digits_png/task.py:DigitsPNG" in sub.entrypoint

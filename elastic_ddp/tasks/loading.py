@@ -69,7 +69,10 @@ def _load_file(path: Path, field: str):
     if not p.is_file():
         raise TaskError(f"{field}: file {path} not found (relative paths are taken from the "
                         f"working directory {Path.cwd()})")
-    name = f"elastic_ddp_user_{p.stem}"
+    # The path's hash in the name: two task.py files of different examples are two modules.
+    import hashlib
+
+    name = f"elastic_ddp_user_{p.stem}_{hashlib.sha1(str(p).encode()).hexdigest()[:8]}"
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(p):
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, p)

@@ -183,9 +183,9 @@ class Task:
             return {"loss": loss, **extra}
         return {"loss": out}
 
-    def tokens_per_sample(self, batch: dict[str, Any]) -> Optional[int]:
-        """Tokens in one sample of ``batch`` for a tokens/s figure (None: not a sequence
-        task)."""
+    def tokens(self, batch: dict[str, Any]) -> Optional[int]:
+        """Tokens in the collated micro-batch ``batch`` (real tokens, padding excluded),
+        for a tokens/s figure; None: not a sequence task."""
         return None
 
 
