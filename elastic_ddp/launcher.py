@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -297,35 +296,34 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     startup = startup_breakdown(snap, marks)
     state: dict = {}
     ckpt = result.checkpoint
-    with tempfile.TemporaryDirectory() as tmp:
-        if ckpt is not None:
-            with ckpt.as_directory() as d:
-                state = load_state(d)
-                # The final model, loadable in plain PyTorch (no DDP "module." prefix).
-                tracking.log_artifact(uri, run_id, str(Path(d) / "state.pt"), "model")
-                tracking.log_artifact(uri, run_id, str(Path(d) / "config.json"), "model")
-        counters = state.get("counters", {})
-        progress = state.get("progress", {})
-        gp = goodput(counters.get("committed_train_s", 0.0), wall)
-        step = int(progress.get("step", 0))
-        tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
-                                           **{f"startup/{k}": v for k, v in startup.items()},
-                                           **{f"recovery_s/{i}": e["recovery_s"] for i, e in enumerate(events)
-                                              if "recovery_s" in e}}, step)
-        if events:
-            tracking.log_text(uri, run_id, json.dumps(events, indent=1), "events/recovery.json")
-        metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
-        summary = Summary(
-            run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
-            metrics=dict(sorted(metrics.items())), steps=step, epochs=int(progress.get("epoch", 0)),
-            wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
-            restarts=int(counters.get("restarts", 0)), goodput=gp, events=events, startup=startup,
-            checkpoint_path=ckpt.path if ckpt is not None else None,
-            mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
-            skipped_steps=int(counters.get("skipped_steps", 0)),
-            epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
-            tracking={k: snap[k] for k in ("delayed", "dropped", "last_error")})
-        tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = load_state(d)
+            # The final model, loadable in plain PyTorch (no DDP "module." prefix).
+            tracking.log_artifact(uri, run_id, str(Path(d) / "state.pt"), "model")
+            tracking.log_artifact(uri, run_id, str(Path(d) / "config.json"), "model")
+    counters = state.get("counters", {})
+    progress = state.get("progress", {})
+    gp = goodput(counters.get("committed_train_s", 0.0), wall)
+    step = int(progress.get("step", 0))
+    tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
+                                       **{f"startup/{k}": v for k, v in startup.items()},
+                                       **{f"recovery_s/{i}": e["recovery_s"] for i, e in enumerate(events)
+                                          if "recovery_s" in e}}, step)
+    if events:
+        tracking.log_text(uri, run_id, json.dumps(events, indent=1), "events/recovery.json")
+    metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
+    summary = Summary(
+        run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
+        metrics=dict(sorted(metrics.items())), steps=step, epochs=int(progress.get("epoch", 0)),
+        wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
+        restarts=int(counters.get("restarts", 0)), goodput=gp, events=events, startup=startup,
+        checkpoint_path=ckpt.path if ckpt is not None else None,
+        mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
+        skipped_steps=int(counters.get("skipped_steps", 0)),
+        epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
+        tracking={k: snap[k] for k in ("delayed", "dropped", "last_error")})
+    tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     tracking.finish_run(uri, run_id, ok=True)
     return summary
 

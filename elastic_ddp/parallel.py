@@ -25,7 +25,6 @@ The single-process case (world_size 1 or no process group) runs the plain module
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Optional
 
 import torch
@@ -33,6 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from elastic_ddp.checkpoint import unwrap_state_dict
+from elastic_ddp.comm_hooks import (_bf16_compress, _load_powersgd_state, _powersgd_state,  # noqa: F401
+                                    powersgd_start_step, zero_memory_bytes)
 from elastic_ddp.config import Config
 
 
@@ -150,6 +151,8 @@ class DDPStrategy(Strategy):
             # all-reduce of mean/var per BN layer per forward, one more in backward).
             # PyTorch's SyncBatchNorm is GPU-only (DDP refuses it on CPU modules), so
             # gloo/CPU runs get GlobalBatchNorm, the same statistics by a plain all-reduce.
+            from elastic_ddp.batchnorm import convert_global_batchnorm
+
             self.module = module = (nn.SyncBatchNorm.convert_sync_batchnorm(module)
                                     if device.type == "cuda" else convert_global_batchnorm(module))
         if self.distributed:
@@ -214,7 +217,8 @@ class DDPStrategy(Strategy):
         return out
 
     def load_full_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(_strip_sync_bn_mismatch(self.module, state["model"]))
+        # SyncBatchNorm / GlobalBatchNorm keep BatchNorm's state-dict keys.
+        self.module.load_state_dict(state["model"])
         # ZeroRedundancyOptimizer.load_state_dict takes the consolidated (full) state and
         # keeps this rank's partition, so the world size may differ from the writer's.
         self.optimizer.load_state_dict(state["optimizer"])
@@ -315,15 +319,6 @@ def check_params_equal(model: nn.Module, step: int) -> None:
                            f"min {lo.item()!r} max {hi.item()!r}")
 
 
-def _bf16_compress(state, bucket):
-    """``default_hooks.bf16_compress_hook`` under another name: DDP refuses that function
-    by name unless CUDA + NCCL >= 2.10, while gloo all-reduces bf16 on CPUs too. Halves
-    the all-reduce bytes; the sum is taken in bf16 (8-bit mantissa) then cast back."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
-
-
 def _fsdp_units(module: nn.Module) -> Iterator[nn.Module]:
     """Sub-modules sharded as their own FSDP unit: transformer blocks, else the top-level
     children that hold parameters (one all-gather per unit)."""
@@ -334,167 +329,6 @@ def _fsdp_units(module: nn.Module) -> Iterator[nn.Module]:
     for child in module.children():
         if any(True for _ in child.parameters()):
             yield child
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """y = sum over ranks of x; dL/dx = sum over ranks of dL/dy (each rank's loss uses
-    y). What the deprecated ``torch.distributed.nn.functional.all_reduce`` did. One
-    all-reduce each way, a copy of x in forward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        y = x.clone()
-        dist.all_reduce(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        g = grad.contiguous().clone()
-        dist.all_reduce(g)
-        return g
-
-
-class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over every rank's rows, for CPU process groups (gloo), where PyTorch's
-    ``nn.SyncBatchNorm`` refuses to run. Input: [B, C] or [B, C, *spatial], any B >= 0
-    per rank (the worker's guard keeps the global count >= 2).
-
-    Training statistics from one all-reduce of [sum_c, sum_c x^2, count] per forward
-    (2C+1 floats) whose backward all-reduces the gradient (``_AllReduceSum``), so d loss / d x includes every rank's rows as in
-    single-process BatchNorm over the global batch; Ioffe & Szegedy 2015, eq. in Alg. 1).
-    var = E[x^2] - E[x]^2 (biased for normalising, unbiased n/(n-1) for the running
-    estimate, as ``nn.BatchNorm``). Evaluation, or no process group: plain BatchNorm.
-    The state dict is BatchNorm's (same keys), so checkpoints load into the plain model.
-    """
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"GlobalBatchNorm expects [B, C, ...], got shape {tuple(input.shape)}")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or not dist.is_initialized() or dist.get_world_size() == 1:
-            return super().forward(x)
-        c = x.shape[1]
-        dims = [0] + list(range(2, x.dim()))
-        xf = x.float()
-        local = torch.cat([xf.sum(dims), (xf * xf).sum(dims),
-                           xf.new_tensor([float(x.numel() // max(1, c))])])
-        total = _AllReduceSum.apply(local)  # a sync point: every rank, every BN forward
-        n = total[-1]
-        mean = total[:c] / n
-        var = (total[c:2 * c] / n - mean * mean).clamp_min(0.0)
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                m = (self.momentum if self.momentum is not None
-                     else 1.0 / float(self.num_batches_tracked))
-                self.running_mean.mul_(1 - m).add_(mean.detach() * m)
-                self.running_var.mul_(1 - m).add_(var.detach() * (n / (n - 1)) * m)
-        shape = [1, c] + [1] * (x.dim() - 2)
-        y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y.to(x.dtype)
-
-
-def convert_global_batchnorm(module: nn.Module) -> nn.Module:
-    """Every BatchNorm layer of ``module`` replaced by a ``GlobalBatchNorm`` with the same
-    parameters and running statistics (``nn.SyncBatchNorm.convert_sync_batchnorm``'s
-    pattern); returns the (possibly new) root module."""
-    out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
-        out = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                              module.track_running_stats)
-        if module.affine:
-            with torch.no_grad():
-                out.weight = module.weight
-                out.bias = module.bias
-        if module.track_running_stats:
-            out.running_mean = module.running_mean
-            out.running_var = module.running_var
-            out.num_batches_tracked = module.num_batches_tracked
-        out.train(module.training)
-    for name, child in module.named_children():
-        out.add_module(name, convert_global_batchnorm(child))
-    return out
-
-
-def _strip_sync_bn_mismatch(module: nn.Module, sd: dict) -> dict:
-    return sd  # SyncBatchNorm keeps BatchNorm's state-dict keys: nothing to translate
-
-
-def _powersgd_state(state) -> dict[str, Any]:
-    """PowerSGD's persistent state as tensors only (loadable with weights_only=True): the
-    iteration count, the warm-start P/Q buffers (identical on every rank after their
-    all-reduce) and every rank's error-feedback residual, gathered to all ranks with one
-    ``all_gather_object`` (a collective costing about one gradient per rank, paid only at
-    checkpoints)."""
-    ws = dist.get_world_size() if dist.is_initialized() else 1
-    local = {str(k): v.detach().cpu() for k, v in state.error_dict.items()}
-    gathered: list[Any] = [None] * ws
-    if ws > 1:
-        dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
-    return {
-        "iter": torch.tensor(int(state.iter)),
-        "p_memory_dict": {str(k): v.detach().cpu() for k, v in state.p_memory_dict.items()},
-        "q_memory_dict": {str(k): v.detach().cpu() for k, v in state.q_memory_dict.items()},
-        "error_dicts": gathered,
-        "world_size": torch.tensor(ws),
-    }
-
-
-def _load_powersgd_state(state, saved: dict[str, Any], world_size: int) -> None:
-    """Restore PowerSGD's iteration count and warm-start buffers always; restore each
-    rank's error feedback only at the same world size (elsewhere a rank's residual no
-    longer matches its share of the gradient, so it restarts from zero, as at step 0)."""
-    state.iter = int(saved["iter"])
-    dev = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    state.p_memory_dict = {int(k): v.to(dev) for k, v in saved["p_memory_dict"].items()}
-    state.q_memory_dict = {int(k): v.to(dev) for k, v in saved["q_memory_dict"].items()}
-    if int(saved["world_size"]) == world_size:
-        mine = saved["error_dicts"][dist.get_rank()]
-        state.error_dict = {int(k): v.to(dev) for k, v in mine.items()}
-
-
-def zero_memory_bytes(num_params: int, world_size: int, stage: int,
-                      param_bytes: int = 4, grad_bytes: int = 4,
-                      optimizer_bytes: int = 8) -> float:
-    """Model-state memory per rank in bytes under ZeRO stage 0 (plain DDP), 1, 2 or 3
-    (Rajbhandari et al. 2020, "ZeRO", sec. 5 and fig. 1): parameters, gradients and
-    optimizer state per parameter (defaults: fp32 AdamW, 4 + 4 + 8 bytes); stage 1
-    shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters.
-    Activations and buffers are not included."""
-    n = max(1, world_size)
-    p, g, o = param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params
-    if stage <= 0:
-        return p + g + o
-    if stage == 1:
-        return p + g + o / n
-    if stage == 2:
-        return p + (g + o) / n
-    return (p + g + o) / n
-
-
-def powersgd_start_step(cfg: Config, total_steps: Optional[int] = None) -> int:
-    """The optimizer step from which PowerSGD compresses (plain all-reduce before it).
-
-    ``parallel.powersgd_start_iter`` when set; otherwise max(``optim.warmup_steps``,
-    ceil(0.2 * ``total_steps``)), and at least 2 (PowerSGDState needs
-    ``start_powerSGD_iter`` > 1 with warm start). Without ``total_steps``, the warm-up
-    (or 10 steps).
-
-    Why 20%: PyTorch's ``PowerSGDState`` documentation advises starting the search at
-    10% of the training steps and raising it until the accuracy is satisfactory (early
-    training is the most sensitive to inexact gradients). On the digits preset (rank 8,
-    5 seeds, README) 10% cost +4.2% +- 2.1% val loss against ddp, 20% +2.0% +- 1.1%.
-    """
-    p = cfg.parallel
-    if p.powersgd_start_iter is not None:
-        return max(2, p.powersgd_start_iter)
-    fifth = math.ceil(0.2 * total_steps) if total_steps else 10
-    return max(2, cfg.optim.warmup_steps, fifth)
 
 
 def build_strategy(cfg: Config, module: nn.Module, device: torch.device,

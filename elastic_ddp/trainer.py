@@ -12,7 +12,6 @@ the model wrap, this rank's reader.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -22,10 +21,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from elastic_ddp.batchnorm import batchnorm_guard
 from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_length, split_evenly, step_rows
 from elastic_ddp.checkpoint import CheckpointError, report
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import open_train_reader, val_batches
+from elastic_ddp.data.ingest import open_train_reader
+from elastic_ddp.evaluation import evaluate
 from elastic_ddp.faults import Fault
 from elastic_ddp.ledger import LedgerWriter
 from elastic_ddp.metrics import StepWindow, gradient_bytes
@@ -294,7 +295,7 @@ class Trainer:
             clock.stop("data", t)
             ctx, kind = s.micro_step(i == len(slices) - 1, probe)
             t = clock.start()
-            with ctx, _batchnorm_guard(s.model, smallest[i]), autocast:
+            with ctx, batchnorm_guard(s.model, smallest[i]), autocast:
                 loss_vec, extra = _split_loss(task.loss(s.model, tensors), max(1, b - a))
                 (loss_vec.float().sum() * (weight if b > a else 0.0)).backward()
             clock.stop(kind, t)
@@ -368,50 +369,12 @@ class Trainer:
                  f"{m['train_loss']:.4f} lr {m['lr']:.2e} {m['samples_per_s']:.0f} samples/s")
         self.window = StepWindow()
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation metrics over the whole val split (``val_<name>``, exact means over
-        its rows whatever the split across ranks). Every rank runs the same number of
-        batches and the same all-reduce, also a rank whose share is empty."""
-        val = self.job.val
-        if val is None:
-            return {}
-        s = self.strategy
-        bs = max(1, self.cfg.batch.micro_batch_size * 2)
-        n_batches = math.ceil(math.ceil(val.num_rows / self.world_size) / bs)
-        if self.cfg.train.eval_max_batches:
-            n_batches = min(n_batches, self.cfg.train.eval_max_batches)
-        s.model.eval()
-        if self._eval_names is None:
-            # Every rank, the same one-row forward (collective under FSDP): the metric
-            # names, hence the reduction vector, are the same on every rank.
-            one = self._to_device(self.task.collate(self.job.sample["val"]))
-            self._eval_names = sorted(self.task.evaluate(s.model, one))
-        names = self._eval_names
-        sums = torch.zeros(len(names) + 1, dtype=torch.float64)
-        try:
-            for batch in val_batches(val, self.task, self.cfg.seed, self.progress.epoch, self.rank,
-                                     self.world_size, bs, n_batches, self.job.sample["val"]):
-                k = len(batch[val.id_column])
-                if k == 0:  # FSDP: the same forward count on every rank (the sample row)
-                    if s.collective_forward:
-                        self.task.evaluate(s.model, self._to_device(self.task.collate(self.job.sample["val"])))
-                    continue
-                out = self.task.evaluate(s.model, self._to_device(self.task.collate(batch)))
-                for i, name in enumerate(names):
-                    sums[i] += float(out[name].float().sum())
-                sums[-1] += k
-        finally:
-            s.model.train()
-        sums = sums.to(self.device)
-        if s.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(sums)
-        count = max(1.0, float(sums[-1]))
-        out = {f"val_{name}": float(sums[i]) / count for i, name in enumerate(names)}
-        self.tracker.log_metrics(out, self.progress.step)
-        self.log(f"epoch {self.progress.epoch} done: " + " ".join(f"{k}={v:.4f}" for k, v in out.items()))
+        """Validation metrics over the whole val split (``evaluation.evaluate``), logged."""
+        out = evaluate(self)
+        if out:
+            self.tracker.log_metrics(out, self.progress.step)
+            self.log(f"epoch {self.progress.epoch} done: " + " ".join(f"{k}={v:.4f}" for k, v in out.items()))
         return out
 
     def finish(self) -> None:
@@ -440,23 +403,3 @@ def _split_loss(out, n: int) -> tuple[torch.Tensor, dict]:
         raise ValueError(f"Task.loss must return the per-sample loss, shape [{n}], got {shape} "
                          "(use reduction='none' and average over tokens within a sample)")
     return loss, extra
-
-
-@contextlib.contextmanager
-def _batchnorm_guard(model: torch.nn.Module, smallest_rows: int):
-    """Run BatchNorm layers on their running statistics for a micro-step in which some
-    rank holds fewer than 2 rows (batch statistics of 0 or 1 sample are undefined or
-    raise). The decision uses the smallest slice over all ranks, so SyncBatchNorm's
-    collective is skipped on every rank or on none."""
-    if smallest_rows >= 2:
-        yield
-        return
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
-    for m in bns:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m in bns:
-            m.train()
-

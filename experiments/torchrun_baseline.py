@@ -28,7 +28,6 @@ import time
 
 T_IMPORT = time.time()
 
-import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402

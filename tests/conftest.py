@@ -9,7 +9,6 @@ config helper puts a real sqlite MLflow store under ``tmp_path``.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any, Optional
 

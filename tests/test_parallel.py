@@ -322,7 +322,7 @@ def test_batchnorm_guard_batch_of_one():
     """A per-rank micro-batch of 1 row: BatchNorm1d in training mode raises; under the
     worker's guard the layers use their running statistics (left unchanged) and return
     to training mode afterwards."""
-    from elastic_ddp.trainer import _batchnorm_guard
+    from elastic_ddp.batchnorm import batchnorm_guard as _batchnorm_guard
 
     cfg = Config.from_dict({"data": {"train_path": "unused"},
                             "model": {"name": "mlp", "kwargs": {"hidden": 16, "batch_norm": True}}})
@@ -350,7 +350,7 @@ def _uneven_bn_worker(rank, ws, port, out_dir):
     smallest slice (1), so neither enters SyncBatchNorm's collective and nothing hangs."""
     from datetime import timedelta
 
-    from elastic_ddp.trainer import _batchnorm_guard
+    from elastic_ddp.batchnorm import batchnorm_guard as _batchnorm_guard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

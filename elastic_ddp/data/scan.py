@@ -24,7 +24,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
