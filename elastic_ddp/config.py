@@ -205,6 +205,16 @@ class ScalingConfig(_Section):
     collective_timeout_s: int = Field(
         60, ge=5, description="gloo/NCCL collective timeout (a hung peer's upper bound)."
     )
+    placement_timeout_s: Optional[float] = Field(
+        None, gt=0, description=(
+            "How long a worker group may wait for its placement group before the attempt "
+            "fails and is retried with a fresh view of the cluster "
+            "(RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). null: 25 s for an elastic job "
+            "(min_workers < max_workers: Ray's view of the nodes refreshes every 20 s, so "
+            "after a node loss a stale request for it fails fast and the retry asks for the "
+            "workers that fit), 600 s for a fixed size (an autoscaler may need minutes to "
+            "add nodes)."),
+    )
     resize_monitor_interval_s: float = Field(
         60.0, ge=0, description=(
             "Elastic jobs only (min_workers < max_workers): how often a healthy worker "

@@ -107,6 +107,9 @@ def build_trainer(cfg: Config, job, tracker):
     s = cfg.scaling
     # Read by the Ray Train controller when it starts (propagated from this process).
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(s.health_check_interval_s)
+    elastic = s.min_workers < s.max_workers
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
+        s.placement_timeout_s or (25.0 if elastic else 600.0))
     use_gpu = s.use_gpu if s.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) > 0
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     sink = ElasticEvents(tracker)
