@@ -134,6 +134,26 @@ class ElasticEvents(UserCallback):
             pass
 
 
+def retry_worker_deaths_at_start() -> None:
+    """Make a worker that dies while its group starts a retryable failure (run in the
+    controller's process, by ``ControllerEvents.after_controller_start``).
+
+    Ray Train 2.60 turns a ``RayActorError`` raised while it launches the train function
+    (``WorkerGroup._start_impl``: ``ray.get(run_train_fn)`` is outside the block that
+    wraps actor deaths as ``WorkerGroupStartupFailedError``) into a ``ControllerError``,
+    which its failure policy retries only for the startup errors listed in
+    ``failure_handling.default.RETRYABLE_CONTROLLER_ERRORS``: a kill in that window ended
+    the job. The same death a moment later is an ordinary, retried worker failure.
+    Retries of controller errors are bounded by ``FailureConfig.controller_failure_limit``
+    (the launcher sets it). Private Ray API, pinned by the ``ray==2.60.0`` requirement;
+    ``tests/test_events.py`` fails if it moves."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.execution.failure_handling import default
+
+    if RayActorError not in default.RETRYABLE_CONTROLLER_ERRORS:
+        default.RETRYABLE_CONTROLLER_ERRORS = (*default.RETRYABLE_CONTROLLER_ERRORS, RayActorError)
+
+
 class ControllerEvents(ControllerCallback, WorkerGroupCallback):
     """Feeds Ray Train's failure and resize decisions (elastic grow/shrink) and its
     worker-group start marks to the ``ElasticEvents`` sink. A separate object because Ray
@@ -143,6 +163,7 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
         self.sink = sink
 
     def after_controller_start(self, train_run_context) -> None:
+        retry_worker_deaths_at_start()
         self.sink.mark("controller_started")
 
     def before_worker_group_start(self, worker_group_context) -> None:

@@ -128,7 +128,13 @@ def build_trainer(cfg: Config, job, tracker):
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=_storage_path(cfg),
-            failure_config=FailureConfig(max_failures=s.max_failures),
+            # Controller errors (a placement that timed out, a worker dead before its train
+            # function ran: events.retry_worker_deaths_at_start) are retried too, but not
+            # forever: Ray's default is unbounded, and a death that repeats at start-up
+            # (out of memory on import) would loop.
+            failure_config=FailureConfig(
+                max_failures=s.max_failures,
+                controller_failure_limit=-1 if s.max_failures == -1 else max(10, 3 * s.max_failures)),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=[sink, ControllerEvents(sink)],
         ),

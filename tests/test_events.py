@@ -102,3 +102,24 @@ def test_data_error_is_not_retried(sink):
     events.after_exception(None, {0: RuntimeError("DataError: /d/part-0.parquet: column 'x' missing")})
     with pytest.raises(DeterministicTrainingError, match="data/config error"):
         ctrl.before_controller_execute_failure_decision(FailureDecision.RETRY)
+
+
+def test_a_worker_death_at_group_start_is_retried_not_fatal():
+    """Ray Train 2.60 wraps a RayActorError raised while it launches the train function in
+    a ControllerError that its default policy does not retry; once the controller callback
+    ran, the same error is a retry (bounded by controller_failure_limit)."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
+    from ray.train.v2.api.config import FailureConfig
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from elastic_ddp.events import retry_worker_deaths_at_start
+
+    policy = DefaultFailurePolicy(FailureConfig(max_failures=3, controller_failure_limit=2))
+    died = ControllerError(ActorDiedError())
+    assert policy.make_decision(died) == FailureDecision.RAISE  # Ray's own behaviour
+    retry_worker_deaths_at_start()
+    assert policy.make_decision(died) == FailureDecision.RETRY
+    assert policy.make_decision(died) == FailureDecision.RETRY
+    assert policy.make_decision(died) == FailureDecision.RAISE  # the limit still holds
+    assert policy.make_decision(ControllerError(ValueError("a bug"))) == FailureDecision.RAISE
