@@ -14,9 +14,7 @@ import math
 from typing import Any
 
 import numpy as np
-import torch.nn.functional as F
 
-from elastic_ddp.tasks.nets import GPT
 from elastic_ddp.tasks.protocol import Column, Task
 
 
@@ -45,9 +43,13 @@ class ByteGPT(Task):
         return {"tokens": torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))}
 
     def build_model(self, **kwargs: Any):
+        from elastic_ddp.tasks.nets import GPT  # torch only where a model is built
+
         return GPT(vocab_size=self.vocab_size, block_size=self.block_size, **kwargs)
 
     def loss(self, model, batch):
+        import torch.nn.functional as F
+
         tokens = batch["tokens"]
         inp, tgt = tokens[:, :-1], tokens[:, 1:]
         logits = model(inp)

@@ -11,10 +11,12 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
-import torch.nn.functional as F
 
-from elastic_ddp.tasks.nets import CNN, MLP
 from elastic_ddp.tasks.protocol import Column, Task
+
+# torch is imported inside the hooks that need it: Ray Data's transform tasks unpickle
+# the task object and so import this module, and a process that never trains should not
+# pay torch's import (seconds) before its first batch.
 
 
 class _Classifier(Task):
@@ -27,7 +29,7 @@ class _Classifier(Task):
         input_shape: shape of one sample, e.g. [1, 8, 8] (C, H, W).
     """
 
-    net = MLP
+    net = "MLP"
 
     def __init__(self, feature_column: str = "x", label_column: str = "y",
                  num_classes: int = 10, input_shape: Sequence[int] = (1, 8, 8)):
@@ -58,9 +60,13 @@ class _Classifier(Task):
                 "y": torch.from_numpy(np.array(batch[self.label_column], dtype=np.int64))}
 
     def build_model(self, **kwargs: Any):
-        return self.net(self.input_shape, self.num_classes, **kwargs)
+        from elastic_ddp.tasks import nets
+
+        return getattr(nets, self.net)(self.input_shape, self.num_classes, **kwargs)
 
     def loss(self, model, batch):
+        import torch.nn.functional as F
+
         logits = model(batch["x"])
         return (F.cross_entropy(logits, batch["y"], reduction="none"),
                 {"acc": (logits.argmax(-1) == batch["y"]).float()})
@@ -69,10 +75,10 @@ class _Classifier(Task):
 class MLPClassifier(_Classifier):
     """``model.name: mlp``: two hidden layers (``model.kwargs``: hidden, batch_norm, dropout)."""
 
-    net = MLP
+    net = "MLP"
 
 
 class CNNClassifier(_Classifier):
     """``model.name: cnn``: three conv blocks (``model.kwargs``: hidden, batch_norm, dropout)."""
 
-    net = CNN
+    net = "CNN"
