@@ -194,7 +194,16 @@ class ScalingConfig(_Section):
         None, ge=1, description="torch.set_num_threads per worker; default its CPU share."
     )
     max_failures: int = Field(
-        3, ge=-1, description="Worker-group restarts allowed (-1: unlimited)."
+        3, ge=-1, description="Worker failures allowed (-1: unlimited)."
+    )
+    fault_tolerance: Literal["restart", "per_step"] = Field(
+        "restart", description=(
+            "restart: a failure or resize restarts every worker from the last checkpoint. "
+            "per_step: every worker is a torchft replica group (Ray Train's TorchftConfig); "
+            "a quorum is decided each step, survivors keep training when a replica dies and "
+            "Ray replaces only that one, which heals from a live peer (needs the 'ft' extra, "
+            "parallel.strategy ddp, no comm hook; runs max_workers replicas, commits a step "
+            "with at least min_workers)."),
     )
     health_check_interval_s: float = Field(
         0.5, gt=0, description=(
@@ -272,6 +281,20 @@ class Config(_Section):
         if self.task.path and self.model.name and self.task.path != self.model.name:
             raise ValueError(f"task.path={self.task.path!r} and model.name="
                              f"{self.model.name!r} name two tasks; keep one")
+        return self
+
+    @model_validator(mode="after")
+    def _per_step_fits(self) -> "Config":
+        if self.scaling.fault_tolerance == "per_step":
+            if self.parallel.strategy != "ddp" or self.parallel.comm_hook != "none":
+                raise ValueError(
+                    "scaling.fault_tolerance=per_step replicates the model in every replica "
+                    f"(torchft): parallel.strategy={self.parallel.strategy!r} and "
+                    f"parallel.comm_hook={self.parallel.comm_hook!r} are not supported with it; "
+                    "use strategy ddp without a comm hook, or fault_tolerance restart")
+            if self.parallel.sync_batchnorm:
+                raise ValueError("scaling.fault_tolerance=per_step: parallel.sync_batchnorm needs "
+                                 "one process group over every worker; turn one of them off")
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ the rows are split over ranks. Used by ``Trainer.evaluate``."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -11,16 +12,21 @@ from elastic_ddp.data.ingest import val_batches
 
 
 @torch.no_grad()
-def evaluate(t) -> dict[str, float]:  # t: the rank's elastic_ddp.trainer.Trainer
+def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) -> dict[str, float]:
     """Validation metrics over the whole val split (``val_<name>``, exact means over
     its rows whatever the split across ranks). Every rank runs the same number of
-    batches and the same all-reduce, also a rank whose share is empty."""
+    batches and the same all-reduce, also a rank whose share is empty.
+
+    ``t``: the rank's ``elastic_ddp.trainer.Trainer``; ``rank``/``world_size``: how the
+    split is shared (default: the trainer's; ``0``/``1``: this process alone)."""
     val = t.job.val
     if val is None:
         return {}
+    rank = t.rank if rank is None else rank
+    world_size = t.world_size if world_size is None else world_size
     s = t.strategy
     bs = max(1, t.cfg.batch.micro_batch_size * 2)
-    n_batches = math.ceil(math.ceil(val.num_rows / t.world_size) / bs)
+    n_batches = math.ceil(math.ceil(val.num_rows / world_size) / bs)
     if t.cfg.train.eval_max_batches:
         n_batches = min(n_batches, t.cfg.train.eval_max_batches)
     s.model.eval()
@@ -32,8 +38,8 @@ def evaluate(t) -> dict[str, float]:  # t: the rank's elastic_ddp.trainer.Traine
     names = t._eval_names
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)
     try:
-        for batch in val_batches(val, t.task, t.cfg.seed, t.progress.epoch, t.rank,
-                                 t.world_size, bs, n_batches, t.job.sample["val"]):
+        for batch in val_batches(val, t.task, t.cfg.seed, t.progress.epoch, rank,
+                                 world_size, bs, n_batches, t.job.sample["val"]):
             k = len(batch[val.id_column])
             if k == 0:  # FSDP: the same forward count on every rank (the sample row)
                 if s.collective_forward:
@@ -46,7 +52,7 @@ def evaluate(t) -> dict[str, float]:  # t: the rank's elastic_ddp.trainer.Traine
     finally:
         s.model.train()
     sums = sums.to(t.device)
-    if s.distributed:
+    if s.distributed and world_size > 1:
         import torch.distributed as dist
 
         dist.all_reduce(sums)

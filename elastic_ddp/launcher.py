@@ -110,16 +110,29 @@ def build_trainer(cfg: Config, job, tracker):
     elastic = s.min_workers < s.max_workers
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
         s.placement_timeout_s or (25.0 if elastic else 600.0))
+    # A frozen worker (alive, not polling) is declared dead after this (Ray's default
+    # 600 s would leave a per-step job short of a replica for ten minutes).
+    os.environ.setdefault("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "60")
     use_gpu = s.use_gpu if s.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) > 0
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
+    # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
+    # collective for a dead peer before Ray Train tears the group down.
+    torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=s.collective_timeout_s)
+    if s.fault_tolerance == "per_step":
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        from elastic_ddp.fault_tolerance import LIGHTHOUSE
+
+        # max_workers replica groups of one worker; a quorum below it still commits, and
+        # Ray replaces a dead replica alone (a different worker count would restart all).
+        num_workers = s.max_workers
+        torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE), backend=torch_config.backend,
+                                     timeout_s=s.collective_timeout_s)
     sink = ElasticEvents(tracker)
     return TorchTrainer(
         train_func,
         train_loop_config={"job": job},
-        # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
-        # collective for a dead peer before Ray Train tears the group down.
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
-                                 timeout_s=s.collective_timeout_s),
+        torch_config=torch_config,
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=use_gpu,
             elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
@@ -226,7 +239,8 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
                 result = trainer.fit()
         else:
             result = trainer.fit()
-        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, train_info.num_rows)
+        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, train_info.num_rows,
+                       storage)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         msg = f"{type(e).__name__}: {e}"
         _close_failed(uri, run_id, tracker, msg, "FAILED")
@@ -282,10 +296,10 @@ def _run_dir_exists(storage: str, name: str) -> bool:
 
 
 def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
-            ledger_dir: Optional[str], marks: dict, n_train: int = 1) -> Summary:
+            ledger_dir: Optional[str], marks: dict, n_train: int = 1, storage: str = "") -> Summary:
     import ray
 
-    from elastic_ddp.checkpoint import load_state
+    from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
 
     ray.get(tracker.flush.remote(60), timeout=90)
     snap = ray.get(tracker.snapshot.remote())
@@ -305,6 +319,11 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     startup = startup_breakdown(snap, marks)
     state: dict = {}
     ckpt = result.checkpoint
+    # A newer complete one in storage: written by a partial per-step quorum, or persisted
+    # by a worker just before the controller stopped polling.
+    newer = newest_complete(storage, cfg.run.name, checkpoint_step(ckpt.path) if ckpt else -1) \
+        if storage else None
+    ckpt = newer or ckpt
     if ckpt is not None:
         with ckpt.as_directory() as d:
             state = load_state(d)

@@ -100,6 +100,8 @@ def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
                 rec = json.loads(ln)
             except json.JSONDecodeError:
                 continue  # torn final line of a killed rank
+            if "commit" in rec:
+                continue  # per-step ledgers: audit_per_step reads these
             rows.append((int(rec["epoch"]), int(rec["step"]), np.asarray(rec["ids"], np.int64)))
         a.steps[int(head["rank"])] = rows
     return sorted(attempts.values(), key=lambda a: a.t)
@@ -129,6 +131,8 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
     Raises:
         LedgerError: see ``read_attempts``.
     """
+    if _mode(ledger_dir) == "per_step":
+        return audit_per_step(ledger_dir, all_ids, epochs)
     attempts = read_attempts(ledger_dir)
     universe = np.unique(np.asarray(list(all_ids), dtype=np.int64))
     epoch_list = list(range(epochs)) if isinstance(epochs, int) else sorted(epochs)
@@ -183,6 +187,79 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
             "world_sizes": [a.world_size for a in attempts], "ok": ok}
 
 
+def _mode(ledger_dir: str | Path) -> str:
+    for f in sorted(Path(ledger_dir).glob("attempt-*-rank*.jsonl"))[:1]:
+        with open(f) as fh:
+            try:
+                return json.loads(fh.readline()).get("mode", "restart")
+            except json.JSONDecodeError:
+                return "restart"
+    return "restart"
+
+
+def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable[int]) -> dict:
+    """The audit of a per-step fault-tolerant job (``scaling.fault_tolerance: per_step``):
+    every replica logs the ids of its share of step k under the quorum id before the
+    all-reduce, and a commit line once the step is applied. A step counts once, with the
+    ids of the quorum that committed it (all participants' shares); an attempt whose
+    quorum did not commit (a replica died in it) is redone and not counted.
+
+    Returns the same shape as :func:`audit` (``attempts``: one row per replica process),
+    plus ``uncommitted_attempts`` and ``problems`` (a step committed by two quorums).
+    """
+    files = sorted(Path(ledger_dir).glob("attempt-*-rank*.jsonl"))
+    shares: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
+    epoch_of: dict[int, int] = {}
+    commits: dict[int, set[int]] = defaultdict(set)
+    out_attempts = []
+    for f in files:
+        lines = f.read_text().splitlines()
+        head = json.loads(lines[0])
+        n_commit = 0
+        for ln in lines[1:]:
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue  # torn last line of a killed replica
+            if "commit" in rec:
+                commits[int(rec["commit"])].add(int(rec["quorum"]))
+                n_commit += 1
+            else:
+                shares[(int(rec["step"]), int(rec["quorum"]))].append(np.asarray(rec["ids"], np.int64))
+                epoch_of[int(rec["step"])] = int(rec["epoch"])
+        out_attempts.append({"key": f.name, "t": float(head["t"]), "world_size": int(head["world_size"]),
+                             "resumed_from": int(head["resumed_from"]), "rank": int(head["rank"]),
+                             "committed_steps": n_commit, "ranks_equal": True,
+                             "recomputed_steps": 0, "ranks_seen": [int(head["rank"])]})
+    universe = np.unique(np.asarray(list(all_ids), dtype=np.int64))
+    epoch_list = list(range(epochs)) if isinstance(epochs, int) else sorted(epochs)
+    used: dict[int, Counter] = defaultdict(Counter)
+    steps_per_epoch: dict[int, int] = defaultdict(int)
+    problems = []
+    for step, quorums in sorted(commits.items()):
+        if len(quorums) > 1:
+            problems.append(f"step {step} committed by quorums {sorted(quorums)}")
+        q = min(quorums)
+        ep = epoch_of.get(step, -1)
+        steps_per_epoch[ep] += 1
+        for ids in shares.get((step, q), []):
+            used[ep].update(ids.tolist())
+    uncommitted = sum(1 for (step, q) in shares if q not in commits.get(step, set()))
+    out_epochs = {}
+    for ep in epoch_list:
+        c = used.get(ep, Counter())
+        ids = np.fromiter(c.keys(), dtype=np.int64, count=len(c))
+        out_epochs[ep] = {"committed_ids": sorted(int(x) for x in ids), "steps": steps_per_epoch.get(ep, 0),
+                          "repeated": int(sum(n - 1 for n in c.values() if n > 1)),
+                          "lost": int(len(np.setdiff1d(universe, ids))),
+                          "unknown": int(len(np.setdiff1d(ids, universe)))}
+    ok = not problems and all(e["repeated"] == 0 and e["lost"] == 0 and e["unknown"] == 0
+                              for e in out_epochs.values())
+    return {"attempts": out_attempts, "epochs": out_epochs, "ok": ok, "problems": problems,
+            "uncommitted_attempts": uncommitted,
+            "world_sizes": [a["world_size"] for a in out_attempts]}
+
+
 def format_audit(report: dict) -> str:
     """A human-readable table of ``audit``'s result."""
     lines = ["attempt  world_size  resumed_from  committed  recomputed  ranks_equal"]
@@ -226,8 +303,10 @@ class LedgerWriter:
     ranks of one worker group without trusting clocks.
     """
 
-    def __init__(self, directory: Optional[str], rank: int, resumed_from: Optional[int], ws: int):
+    def __init__(self, directory: Optional[str], rank: int, resumed_from: Optional[int], ws: int,
+                 mode: str = "restart"):
         self._f = None
+        self._pending: Optional[dict] = None
         if directory:
             import torch.distributed as dist
 
@@ -239,18 +318,41 @@ class LedgerWriter:
             self._f = open(Path(directory) / name, "w")
             self._f.write(json.dumps({"header": True, "attempt": attempt[0], "rank": rank,
                                       "world_size": ws, "resumed_from": resumed_from or 0,
+                                      "mode": mode,
                                       "t": time.time()}) + "\n")
             self._f.flush()
 
-    def record(self, epoch: int, step: int, ids: np.ndarray, skipped: bool = False) -> None:
-        """The ids this rank computed in ``step``; ``skipped``: the step's update was
-        dropped (non-finite gradient), its samples consumed but not learned from."""
-        if self._f:
-            rec = {"epoch": epoch, "step": step, "ids": ids.tolist()}
-            if skipped:
-                rec["skipped"] = True
-            self._f.write(json.dumps(rec) + "\n")
-            self._f.flush()
+    def record(self, epoch: int, step: int, ids: np.ndarray, **extra) -> None:
+        """The ids this rank computed for ``step``. With ``extra`` (per-step fault
+        tolerance: ``quorum``, ``n``) the line is written at once, before the step's
+        all-reduce, and ``commit`` adds a commit line; otherwise it is written by
+        ``commit``, with the skip flag."""
+        if not self._f:
+            return
+        rec = {"epoch": epoch, "step": step, "ids": ids.tolist(), **extra}
+        if extra:
+            self._write(rec)
+        else:
+            self._pending = rec
+
+    def commit(self, epoch: int, step: int, skipped: bool = False, **extra) -> None:
+        """``step`` was applied (``skipped``: its update was dropped for a non-finite
+        gradient; its samples were consumed, not learned from)."""
+        if not self._f:
+            return
+        if extra:
+            self._write({"commit": step, "epoch": epoch, "t": time.time(), **extra,
+                         **({"skipped": True} if skipped else {})})
+            return
+        rec = self._pending or {"epoch": epoch, "step": step, "ids": []}
+        if skipped:
+            rec["skipped"] = True
+        self._write(rec)
+        self._pending = None
+
+    def _write(self, rec: dict) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
 
     def close(self) -> None:
         if self._f:

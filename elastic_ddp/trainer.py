@@ -96,6 +96,9 @@ class Trainer:
     """See the module docstring. ``rank``/``world_size`` of this attempt; ``device`` is
     the rank's CUDA device or the CPU."""
 
+    #: All workers in one torch.distributed group (DDP). Per-step fault tolerance: no.
+    shares_process_group = True
+
     def __init__(self, job: JobSpec, rank: int, world_size: int, device: torch.device):
         self.job, self.rank, self.world_size, self.device = job, rank, world_size, device
         self.cfg = cfg = Config.from_dict(job.config)
@@ -106,7 +109,10 @@ class Trainer:
         # broadcasts rank 0's at wrap time; FSDP shards what each rank built).
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, self.task).to(device)
-        self.strategy = build_strategy(cfg, model, device, world_size, self.run.total_steps)
+        # Ranks of the torch.distributed group the strategy and the metric reductions use:
+        # every worker (restart mode), or this replica alone (per-step fault tolerance).
+        self.comm_size = world_size if self.shares_process_group else 1
+        self.strategy = build_strategy(cfg, model, device, self.comm_size, self.run.total_steps)
         self.has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                  for m in model.modules())
         self.progress = Progress()
@@ -117,6 +123,8 @@ class Trainer:
         self.window = StepWindow()
         self._nonfinite_run = 0
         self._reader = self._order = None
+        self._reader_key: Optional[tuple] = None
+        self._reader_at = -1
         self._eval_names: Optional[list[str]] = None
 
     # ---------------------------------------------------------------- checkpoint schema
@@ -185,9 +193,9 @@ class Trainer:
         self.counters.world_sizes_seen.append(self.world_size)
         self.counters.uncommitted_train_s = 0.0
 
-    def checkpoint(self, metrics: dict[str, float]) -> None:
+    def checkpoint(self, metrics: dict[str, float], final: bool = False) -> None:
         """Commit the state (every rank calls it); the steps since the last checkpoint
-        become committed time."""
+        become committed time. ``final``: the run's last one."""
         c = self.counters
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
@@ -205,7 +213,8 @@ class Trainer:
     def fit(self) -> None:
         """Train from the restored state to the end of the run."""
         p, c = self.progress, self.cfg.train
-        self.ledger = LedgerWriter(self.job.ledger_dir, self.rank, self.resumed_from, self.world_size)
+        self.ledger = LedgerWriter(self.job.ledger_dir, self.rank, self.resumed_from, self.world_size,
+                                   getattr(self, "ledger_mode", "restart"))
         self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
                              resumed_from=p.step)
         import torch.distributed as dist
@@ -217,14 +226,9 @@ class Trainer:
                                "elastic_ddp.device": str(self.device)})
         first = True
         while not self.done:
-            t = time.perf_counter()
-            self._order, self._reader = open_train_reader(
-                self.job.train, self.task, self.cfg, self.rank, self.world_size, p.epoch,
-                p.cursor, self.plan.global_batch_size, list(self.plan.rows_per_rank),
-                template=self.job.sample["train"])
-            self.window.data_s += time.perf_counter() - t
             while p.cursor < self.n_train and not self.done:
-                self.train_step()
+                if not self.train_step():
+                    continue  # not committed (per-step fault tolerance): redo it
                 if first:
                     self.tracker.attempt(first_step=time.time(), step=p.step)
                     first = False
@@ -235,25 +239,69 @@ class Trainer:
                     self.checkpoint({})
             if p.cursor >= self.n_train:
                 p.epoch, p.cursor = p.epoch + 1, 0
-                self.checkpoint(self.evaluate())
+                self.checkpoint(self.evaluate(), final=self.done)
         if p.cursor != 0:  # stopped by max_steps inside an epoch
-            self.checkpoint(self.evaluate())
+            self.checkpoint(self.evaluate(), final=True)
         self.ledger.close()
 
-    def train_step(self) -> None:
+    # The steps of a step, overridden by per-step fault tolerance (fault_tolerance.py).
+    def begin_step(self) -> tuple[Optional[int], int]:
+        """This step's data view: (this rank's index, ranks sharing the step)."""
+        return self.rank, self.world_size
+
+    def loss_weight(self, n: int) -> float:
+        """Per-sample loss weight of a step of ``n`` rows: DDP averages gradients over the
+        ranks, so ``world_size / n`` gives the mean over the step's rows."""
+        return self.world_size / n
+
+    def sync_gradients(self, probe: bool) -> bool:
+        """After the backward passes: the probe step's explicit all-reduce (DDP did the
+        others inside backward). Returns whether the step may be applied."""
+        if probe:
+            clock = self.window.clock(self.device)
+            t = clock.start()
+            self.strategy.allreduce_gradients()
+            clock.stop("allreduce_probe", t)
+            self.window.probes += 1
+        return True
+
+    def ensure_reader(self, rank: int, ws: int) -> None:
+        """This rank's reader for the epoch, (re)opened when the epoch, the data view or
+        the expected position changed."""
+        p = self.progress
+        key = (p.epoch, rank, ws)
+        if self._reader is None or self._reader_key != key or self._reader_at != p.cursor:
+            t = time.perf_counter()
+            self._order, self._reader = open_train_reader(
+                self.job.train, self.task, self.cfg, rank, ws, p.epoch, p.cursor,
+                self.plan.global_batch_size,
+                list(self.plan.rows_per_rank) if ws == self.world_size else None,
+                template=self.job.sample["train"])
+            self._reader_key = key
+            self.window.data_s += time.perf_counter() - t
+
+    def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this
         rank's rows in ``grad_accum_steps`` micro-batches (DDP ``no_sync`` on all but the
-        last), each micro-batch's loss weighted by ``world_size / G`` so DDP's average is
-        the exact mean over the step's rows. A step whose gradient is not finite on any
-        rank is skipped by every rank (the same norm everywhere after the all-reduce)."""
-        p, cfg, ws = self.progress, self.cfg, self.world_size
+        last), each micro-batch's loss weighted (``loss_weight``) so that the all-reduced
+        gradient is the exact mean over the step's rows. A step whose gradient is not
+        finite on any rank is skipped by every rank (the same norm everywhere after the
+        all-reduce). Returns False when the step was not committed (redo it)."""
+        p, cfg = self.progress, self.cfg
         t0 = time.perf_counter()
+        rank, ws = self.begin_step()
         n = step_rows(self.n_train, p.cursor, self.plan.global_batch_size)
-        rows = self._order.rank_rows(p.cursor, n, ws, list(self.plan.rows_per_rank))
-        accum = grad_accum_steps(rows, cfg.batch.micro_batch_size)
         clock = self.window.clock(self.device)
         t = clock.start()
-        batch = self._reader.take(p.cursor, n)
+        if rank is not None:
+            self.ensure_reader(rank, ws)
+            rows = self._order.rank_rows(p.cursor, n, ws, list(self.plan.rows_per_rank)
+                                         if ws == self.world_size else None)
+            batch = self._reader.take(p.cursor, n)
+            self._reader_at = p.cursor + n
+        else:  # a replica healing this step computes nothing (zero gradient)
+            rows, rank = [0] + [n], 0
+            batch = {k: v[:0] for k, v in self.job.sample["train"].items()}
         clock.stop("data", t)
         lr = lr_at(p.samples_seen, self.run.schedule_samples, self.run.peak_lr,
                    self.run.warmup_samples, cfg.optim.min_lr_ratio)
@@ -261,28 +309,42 @@ class Trainer:
             g["lr"] = lr
         # Per-step seeding makes dropout a function of (seed, step, rank) alone: RNG
         # streams cannot "continue" across a resize, where ranks change their rows.
-        torch.manual_seed(cfg.seed * 1_000_003 + p.step * 1009 + self.rank)
+        torch.manual_seed(cfg.seed * 1_000_003 + p.step * 1009 + rank)
         ids = np.asarray(batch[self.job.train.id_column])
+        probe = self.should_log(p.step + 1) and p.step > 0 and self.strategy.can_probe
         try:
             self.fault.at_step(p.step + 1)
-            finite = self._micro_steps(batch, rows, accum, n)
+            sums, bn_saved = self._forward_backward(batch, rows, rank, n, probe)
+            self.ledger.record(p.epoch, p.step + 1, ids, **self.ledger_extra())
+            if not self.sync_gradients(probe):
+                self.strategy.optimizer.zero_grad(set_to_none=True)
+                if bn_saved is not None:
+                    self._restore_bn(bn_saved)
+                return False
+            finite = self._update(sums, bn_saved, n)
         except Exception as e:
             raise StepError(f"step {p.step + 1} (epoch {p.epoch}, rank {self.rank}): "
                             f"{type(e).__name__}: {e}") from e
-        self.ledger.record(p.epoch, p.step + 1, ids, skipped=not finite)
+        self.ledger.commit(p.epoch, p.step + 1, skipped=not finite, **self.ledger_extra())
         p.step += 1
         p.cursor += n
         p.samples_seen += n
         dt = time.perf_counter() - t0
         self.counters.uncommitted_train_s += dt
         self.window.add(n, dt, lr)
+        return True
 
-    def _micro_steps(self, batch: dict, rows: list[int], accum: int, n: int) -> bool:
+    def ledger_extra(self) -> dict:
+        return {}
+
+    def _forward_backward(self, batch: dict, rows: list[int], rank: int, n: int, probe: bool):
+        """Every micro-batch's forward and backward; returns the per-micro-batch sums of
+        loss and metrics and the BatchNorm buffers to restore if the step is dropped."""
         s, task, w, clock = self.strategy, self.task, self.window, self.window.clock(self.device)
-        probe = self.should_log(self.progress.step + 1) and self.progress.step > 0 and s.can_probe
-        slices = micro_slices(rows[self.rank], accum)
+        accum = grad_accum_steps(rows, self.cfg.batch.micro_batch_size)
+        slices = micro_slices(rows[rank], accum)
         smallest = [min(split_evenly(r, accum)[i] for r in rows) for i in range(accum)]
-        weight = self.world_size / n
+        weight = self.loss_weight(n)
         bn_saved = self._save_bn() if self.has_batchnorm else None
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.parallel.bf16)
         sums: list[tuple[float, dict, int]] = []
@@ -290,8 +352,8 @@ class Trainer:
             t = clock.start()
             # An empty share still runs forward and backward (every rank joins every
             # all-reduce): on the one-row sample, weighted 0, so tasks never see B = 0.
-            rows = {k: v[a:b] for k, v in batch.items()} if b > a else self.job.sample["train"]
-            tensors = self._to_device(task.collate(rows))
+            part = {k: v[a:b] for k, v in batch.items()} if b > a else self.job.sample["train"]
+            tensors = self._to_device(task.collate(part))
             clock.stop("data", t)
             ctx, kind = s.micro_step(i == len(slices) - 1, probe)
             t = clock.start()
@@ -310,11 +372,11 @@ class Trainer:
                              {k: float(v.detach().float().sum()) for k, v in extra.items()}, b - a))
         if w.grad_bytes is None:
             w.grad_bytes = gradient_bytes(s.model.parameters())
-        if probe:
-            t = clock.start()
-            s.allreduce_gradients()
-            clock.stop("allreduce_probe", t)
-            w.probes += 1
+        return sums, bn_saved
+
+    def _update(self, sums: list, bn_saved, n: int) -> bool:
+        """Clip and step the optimizer, or skip a step whose gradient is not finite."""
+        s, w, clock = self.strategy, self.window, self.window.clock(self.device)
         t = clock.start()
         finite = math.isfinite(s.clip_grad_norm(self.cfg.optim.grad_clip))
         if finite:
@@ -328,10 +390,13 @@ class Trainer:
         clock.stop("opt", t)
         return finite
 
+    def _restore_bn(self, bn_saved) -> None:
+        for buf, saved in bn_saved:
+            buf.copy_(saved)
+
     def _skip_step(self, bn_saved, n: int) -> None:
         if bn_saved is not None:  # the forward's batch statistics saw the non-finite rows
-            for buf, saved in bn_saved:
-                buf.copy_(saved)
+            self._restore_bn(bn_saved)
         self.counters.skipped_steps += 1
         self.counters.skipped_samples += n
         self._nonfinite_run += 1
@@ -362,7 +427,7 @@ class Trainer:
         p = self.progress
         if not self.should_log(p.step):
             return
-        m = self.window.reduce(self.world_size, self.device)
+        m = self.window.reduce(self.comm_size, self.device)
         m.update(step=p.step, epoch=p.epoch, world_size=self.world_size)
         self.tracker.log_metrics(m, p.step)
         self.log(f"epoch {p.epoch + 1} step {p.step}/{self.run.total_steps} loss "
