@@ -122,6 +122,12 @@ def _worker(rank, ws, port, job, out_dir):
             torch.save({"losses": torch.tensor(losses), **state}, Path(out_dir) / job["save"])
     finally:
         dist.destroy_process_group()
+    # Torch's C++ threads (gloo's) can still be joinable when the interpreter's static
+    # destructors run, and std::terminate then aborts a process whose work is done and
+    # saved; leaving without those destructors keeps a finished rank's exit code 0.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(ws: int, job: dict, out_dir: Path) -> dict:
