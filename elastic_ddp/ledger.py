@@ -345,6 +345,7 @@ class LedgerWriter:
                          **({"skipped": True} if skipped else {})})
             return
         rec = self._pending or {"epoch": epoch, "step": step, "ids": []}
+        rec["t"] = round(time.time(), 3)  # when the step ended: gaps and recovery times
         if skipped:
             rec["skipped"] = True
         self._write(rec)

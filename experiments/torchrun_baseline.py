@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import time
+from pathlib import Path
 
 T_IMPORT = time.time()
 
@@ -68,6 +69,12 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--warmup-steps", type=int, default=10,
                     help="steps excluded from the steady-state figures")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="checkpoint here every --ckpt-every steps and resume from the newest at "
+                         "start (what torchrun --max-restarts needs to recover)")
+    ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--step-log", default=None,
+                    help="rank 0 appends one JSON line per step and per checkpoint here")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", 0))
@@ -94,8 +101,17 @@ def main() -> None:
     step, epoch, cursor, samples_seen = 0, 0, 0, 0
     first_step_ts = t_warm = None
     data_s = steady_data_s = 0.0
+    ckpt = Path(args.ckpt_dir) / "state.pt" if args.ckpt_dir else None
+    if ckpt is not None and ckpt.exists():  # a torchrun restart: resume like elastic-ddp does
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step, epoch, cursor, samples_seen = (int(state[k]) for k in ("step", "epoch", "cursor", "samples_seen"))
+        warm = min(max_steps - 1, step + args.warmup_steps)
+    log = open(args.step_log, "a") if args.step_log and rank == 0 else None
     order = EpochOrder(info.row_groups, cfg.seed, epoch, mode="permutation")
     while step < max_steps:
+        t_step = time.time()
         if cursor >= n:
             epoch, cursor = epoch + 1, 0
             order = EpochOrder(info.row_groups, cfg.seed, epoch, mode="permutation")
@@ -132,8 +148,24 @@ def main() -> None:
         step += 1
         cursor += n_rows
         samples_seen += n_rows
-        if step == 1:
+        if first_step_ts is None:
             first_step_ts = time.time()
+        if log is not None:
+            log.write(json.dumps({"step": step, "t": time.time(), "dt": time.time() - t_step,
+                                  "pid": os.getpid()}) + "\n")
+            log.flush()
+        if ckpt is not None and step % args.ckpt_every == 0:
+            if rank == 0:  # atomic: a kill mid-write leaves the previous checkpoint
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                            "epoch": epoch, "cursor": cursor, "samples_seen": samples_seen},
+                           ckpt.with_suffix(".tmp"))
+                os.replace(ckpt.with_suffix(".tmp"), ckpt)
+                if log is not None:
+                    log.write(json.dumps({"ckpt": step, "t": time.time()}) + "\n")
+                    log.flush()
+            if ws > 1:
+                dist.barrier()
         if step == warm:
             t_warm, steady_data_s = time.perf_counter(), data_s
     t_end = time.perf_counter()

@@ -1,0 +1,243 @@
+"""Recovery: plain torchrun (``--max-restarts``, the torchelastic anchor), elastic-ddp's
+``restart`` mode and its ``per_step`` mode (torchft), the same job, a worker SIGKILLed
+every ``--kill-every`` seconds, on a local multi-node Ray cluster.
+
+    .venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4 --max-bytes 3000000
+    .venv/bin/python experiments/bench_recovery.py --duration 300 --kill-every 60
+
+The job: ``experiments/configs/bench_gpt.yaml`` (2-layer GPT, global batch 32, 2 workers of
+one thread each), as many steps as the uninterrupted job runs in ``--duration`` seconds
+(from a short torchrun calibration), a checkpoint every ``--ckpt-every`` steps. Ray: a head
+node (1 CPU) and two 2-CPU worker nodes (``ray.cluster_utils.Cluster``), one worker each.
+
+Printed per mode:
+  * cmd->1st step: from the job's start to the end of its first step.
+  * kill->1st step: from each kill to the first step computed after it by the new process
+    (restart, torchrun: the restarted group; per_step: the replacement, i.e. back in the
+    quorum); median and max over the kills.
+  * longest gap: the longest time between two consecutive committed steps of a process
+    that was not killed (per_step: the survivors'; restart and torchrun: every process
+    restarts, so the gap spans the whole recovery).
+  * goodput: seconds in committed training steps / wall seconds (elastic-ddp's own figure;
+    torchrun: the steps a later checkpoint covered, from its step log).
+  * samples: the ledger audit (elastic-ddp), lost / repeated over the committed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "experiments/configs/bench_gpt.yaml"
+
+
+def _killer(pids_fn, every: float, stop: threading.Event, kills: list, seed: int = 0) -> None:
+    """Every ``every`` seconds SIGKILL one of ``pids_fn()`` at random; record the time."""
+    rng = random.Random(seed)
+    while not stop.wait(every):
+        pids = pids_fn()
+        if not pids:
+            continue
+        pid = rng.choice(sorted(pids))
+        try:
+            os.kill(pid, signal.SIGKILL)
+            kills.append({"t": time.time(), "pid": pid})
+        except ProcessLookupError:
+            pass
+
+
+def _train_worker_pids() -> list[int]:
+    import ray._private.state as state
+
+    out = []
+    for info in state.actors(actor_state_name="ALIVE").values():
+        if info["ActorClassName"] == "RayTrainWorker" and info["Pid"]:
+            try:
+                with open(f"/proc/{info['Pid']}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::"):
+                        out.append(int(info["Pid"]))
+            except OSError:
+                pass
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+# --------------------------------------------------------------------------- torchrun
+def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, restarts: int) -> dict:
+    log = tmp / "steps.jsonl"
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
+           f"--max-restarts={restarts}", str(ROOT / "experiments/torchrun_baseline.py"), CONFIG,
+           "--set", f"train.max_steps={steps}", "--warmup-steps", "2",
+           "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", str(ckpt_every), "--step-log", str(log)]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stop, kills = threading.Event(), []
+    th = threading.Thread(target=_killer, args=(lambda: _children(proc.pid), kill_every, stop, kills),
+                          daemon=True)
+    th.start()
+    out = proc.communicate()[0]
+    stop.set()
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun failed:\n{out[-3000:]}")
+    lines = [json.loads(ln) for ln in log.read_text().splitlines()]
+    steps_l = [r for r in lines if "step" in r]
+    ckpts = [r["ckpt"] for r in lines if "ckpt" in r]
+    # An attempt is a run of one pid; its steps past the checkpoint the next attempt
+    # resumed from were recomputed, the rest committed.
+    attempts: list[list[dict]] = []
+    for r in steps_l:
+        if not attempts or attempts[-1][0]["pid"] != r["pid"]:
+            attempts.append([])
+        attempts[-1].append(r)
+    committed = 0.0
+    for i, a in enumerate(attempts):
+        limit = attempts[i + 1][0]["step"] - 1 if i + 1 < len(attempts) else None
+        committed += sum(r["dt"] for r in a if limit is None or r["step"] <= limit)
+    back = [min((r["t"] for r in steps_l if r["t"] > k["t"]), default=float("nan")) - k["t"] for k in kills]
+    committed_t = sorted(r["t"] for i, a in enumerate(attempts) for r in a
+                         if i + 1 == len(attempts) or r["step"] < attempts[i + 1][0]["step"])
+    return {"cmd_to_first_step_s": steps_l[0]["t"] - t0, "kills": len(kills),
+            "kill_to_first_step_s": back, "longest_gap_s": _longest_gap(committed_t),
+            "goodput": committed / wall, "samples": "n/a (no ledger)", "wall_s": wall,
+            "checkpoints": len(ckpts)}
+
+
+def _longest_gap(ts: list[float]) -> float:
+    return max((b - a for a, b in zip(ts, ts[1:])), default=float("nan"))
+
+
+# ------------------------------------------------------------------------- elastic-ddp
+def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: float) -> dict:
+    from elastic_ddp.config import Config
+    from elastic_ddp.data.scan import read_sample_ids
+    from elastic_ddp.launcher import train
+    from elastic_ddp.ledger import audit
+
+    cfg = Config.load(ROOT / CONFIG, [
+        f"train.max_steps={steps}", f"train.checkpoint_every_steps={ckpt_every}",
+        "train.log_every_steps=10", "scaling.min_workers=1", "scaling.max_workers=2",
+        "scaling.cpus_per_worker=2", "scaling.torch_threads=1", "scaling.max_failures=-1",
+        "scaling.health_check_interval_s=0.2", "batch.policy=uneven",
+        f"scaling.fault_tolerance={mode}", f"run.name=recovery-{mode}",
+        f"run.storage_path={tmp / 'ray'}", f"run.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}"])
+    stop, kills = threading.Event(), []
+    th = threading.Thread(target=_killer, args=(_train_worker_pids, kill_every, stop, kills), daemon=True)
+    t0 = time.time()
+    th.start()
+    try:
+        s = train(cfg, progress=False, ledger_dir=str(tmp / "ledger"))
+    finally:
+        stop.set()
+    wall = time.time() - t0
+    lines = {}
+    for f in (tmp / "ledger").glob("*.jsonl"):
+        recs = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
+        lines[f.name] = (recs[0], recs[1:])
+    first = min(r["t"] for _, recs in lines.values() for r in recs if "t" in r)
+    if mode == "per_step":
+        # Commit lines per replica process. The replacement: the first process started
+        # after the kill; survivors: processes that committed steps before and after it.
+        back = [min((min((r["t"] for r in recs if "commit" in r), default=float("inf"))
+                     for h, recs in lines.values() if h["t"] > k["t"]), default=float("nan")) - k["t"]
+                for k in kills]
+        gaps = []
+        for _, recs in lines.values():
+            ts = sorted(r["t"] for r in recs if "commit" in r)
+            if ts and any(ts[0] < k["t"] < ts[-1] for k in kills):
+                gaps.append(_longest_gap(ts))
+        gaps = gaps or [float("nan")]
+    else:
+        rank0 = sorted((h["t"], recs) for h, recs in lines.values() if h["rank"] == 0)
+        back = [min((r["t"] for _, recs in rank0 for r in recs if r["t"] > k["t"]), default=float("nan")) - k["t"]
+                for k in kills]
+        gaps = [_longest_gap(sorted(r["t"] for _, recs in rank0 for r in recs))]
+    rep = audit(tmp / "ledger", read_sample_ids(ROOT / "data/pycode_bench/train"), 1)
+    e = rep["epochs"][0]
+    return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
+            "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
+            "samples": f"{e['repeated']} repeated, {len(e['committed_ids'])} used of "
+                       f"{s.steps * 32} (committed steps x 32)"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=300, help="seconds of uninterrupted training")
+    ap.add_argument("--kill-every", type=float, default=60)
+    ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--modes", default="torchrun,restart,per_step")
+    args = ap.parse_args()
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-cal-") as tmp:
+        cal = run_torchrun(Path(tmp), 40, 1000, 1e9, 0)
+    steps_per_s = 38 / max(1e-9, cal["wall_s"] - cal["cmd_to_first_step_s"])
+    steps = max(50, int(steps_per_s * args.duration))
+    print(f"calibration: {steps_per_s:.2f} steps/s under torchrun -> {steps} steps per job", flush=True)
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    rows = {}
+    for mode in args.modes.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"bench-recovery-{mode}-") as tmp:
+            if mode == "torchrun":
+                r = run_torchrun(Path(tmp), steps, args.ckpt_every, args.kill_every, 100)
+            else:
+                c = Cluster()
+                c.add_node(num_cpus=1, include_dashboard=False)
+                for _ in range(2):
+                    c.add_node(num_cpus=2)
+                c.wait_for_nodes()
+                ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+                try:
+                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every)
+                finally:
+                    ray.shutdown()
+                    c.shutdown()
+        rows[mode] = r
+        print(mode, json.dumps(r), flush=True)
+
+    print(f"\nbench_gpt, 2 workers, {steps} steps, a worker SIGKILLed every {args.kill_every:.0f} s, "
+          f"checkpoint every {args.ckpt_every} steps, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':>9} {'cmd->1st s':>10} {'kills':>5} {'kill->1st s (median/max)':>24} "
+          f"{'longest gap s':>13} {'goodput':>8}  samples")
+    for mode, r in rows.items():
+        k = [v for v in r["kill_to_first_step_s"] if v == v]
+        ks = f"{statistics.median(k):.1f} / {max(k):.1f}" if k else "-"
+        print(f"{mode:>9} {r['cmd_to_first_step_s']:>10.1f} {r['kills']:>5} {ks:>24} "
+              f"{r['longest_gap_s']:>13.1f} {r['goodput']:>8.1%}  {r['samples']}")
+    if "torchrun" in rows and "restart" in rows:
+        t, e = rows["torchrun"], rows["restart"]
+        tk = statistics.median([v for v in t["kill_to_first_step_s"] if v == v] or [float("nan")])
+        ek = statistics.median([v for v in e["kill_to_first_step_s"] if v == v] or [float("nan")])
+        print(f"restart / torchrun: cmd->1st {e['cmd_to_first_step_s'] / t['cmd_to_first_step_s']:.2f}x, "
+              f"kill->1st {ek / tk:.2f}x (target <= 2x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
