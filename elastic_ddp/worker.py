@@ -16,14 +16,22 @@ def train_func(loop_config: dict) -> None:
     import ray.train.torch
     import torch
 
+    from elastic_ddp.failures import located
     from elastic_ddp.trainer import Trainer
 
     job = loop_config["job"]
     ctx = ray.train.get_context()
     scaling = job.config["scaling"]
     torch.set_num_threads(scaling.get("torch_threads") or max(1, int(scaling["cpus_per_worker"])))
-    trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
-    trainer._t_enter = t_enter
-    trainer.restore(ray.train.get_checkpoint())
-    trainer.fit()
-    trainer.finish()
+    trainer = None
+    try:
+        trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+        trainer._t_enter = t_enter
+        trainer.restore(ray.train.get_checkpoint())
+        trainer.fit()
+        trainer.finish()
+    except Exception as e:
+        # Every error leaves this rank with where it happened (step, epoch, phase) and
+        # whether a restart can fix it, for the controller (elastic_ddp.events).
+        where = trainer.position.record if trainer is not None else None
+        raise located(e, ctx.get_world_rank(), where) from e
