@@ -217,11 +217,17 @@ def check_storage(cfg: Config) -> None:
         ConfigError: the directory cannot be created or written, naming it and why.
     """
     from elastic_ddp.config import ConfigError
-    from elastic_ddp.paths import is_uri, local_path
+    from elastic_ddp.paths import is_uri, local_path, uri_to_filesystem
 
-    if is_uri(cfg.run.storage_path):
-        return
-    d = Path(local_path(cfg.run.storage_path))
+    path = cfg.run.storage_path
+    if is_uri(path):
+        if not path.lower().startswith("file:"):
+            return
+        try:  # a file:// URI with a raw '?' or '#', a host, a bad escape
+            path = uri_to_filesystem(path)[1]
+        except ValueError as e:
+            raise ConfigError(f"run.storage_path: {e}") from None
+    d = Path(local_path(path))
     # Nothing is created here: the nearest existing ancestor must be a writable directory.
     near = d
     while not near.exists() and near != near.parent:

@@ -476,6 +476,10 @@ def test_a_storage_path_that_cannot_be_written_exits_2(tmp_path, capsys):
     rc, out, err = _cli(tmp_path, raw, capsys)
     assert rc == 2 and "run.storage_path" in err and "is not a directory" in err, err
     assert not (tmp_path / "notes.txt").is_dir()
+    # Sibling: a file:// URI built by pasting a path with '#' into it.
+    raw["run"]["storage_path"] = f"file://{tmp_path}/runs #3"
+    rc, out, err = _cli(tmp_path, raw, capsys)
+    assert rc == 2 and "run.storage_path" in err and "%23" in err, err
     _nothing_started(tmp_path)
 
 
