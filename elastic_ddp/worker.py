@@ -34,4 +34,6 @@ def train_func(loop_config: dict) -> None:
         # Every error leaves this rank with where it happened (step, epoch, phase) and
         # whether a restart can fix it, for the controller (elastic_ddp.events).
         where = trainer.position.record if trainer is not None else None
+        if trainer is not None:
+            trainer.position.close()  # the error itself carries the position now
         raise located(e, ctx.get_world_rank(), where) from e
