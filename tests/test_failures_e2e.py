@@ -275,6 +275,20 @@ def test_inf_steps_stop_then_a_resume_on_changed_data_is_refused_or_restarts_the
     assert s.restarts == 1 and s.skipped_steps == 1
 
 
+def test_a_dead_ranks_position_is_read_on_its_node_by_a_pinned_task(ray_cluster):
+    """The controller reads a dead rank's position on the rank's node: directly on its
+    own node, else by a zero-CPU task pinned there (forced here: one node)."""
+    import ray
+
+    from elastic_ddp.failures import position_dir, read_position
+    from test_robustness import _sigkilled_rank
+
+    pid = _sigkilled_rank(1, 7, run="pinned")
+    pos = read_position(ray.get_runtime_context().get_node_id(), pid, force_task=True)
+    assert pos["step"] == 7 and pos["phase"] == "training step" and pos["rank"] == 1, pos
+    assert pos["run"] == "pinned" and not (position_dir() / f"pid{pid}.json").exists()
+
+
 # ------------------------------------------------------------------------- item 6
 def test_a_deleted_experiment_exits_2_with_the_fix_and_creates_no_run(ray_cluster, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
