@@ -14,11 +14,38 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A config that cannot run. The message names the field (or file) and the fix."""
+
+
+# run.name becomes a directory under run.storage_path (Ray Train's run directory), the
+# MLflow run name (runs.name is VARCHAR(250) in MLflow's SQL stores) and, with suffixes the
+# product adds (``-<run id prefix>``, 9 bytes; a sweep's ``-sweep-<time>-ws<N>``, ~27),
+# one file-name component, which Linux file systems cap at 255 bytes (NAME_MAX).
+MAX_RUN_NAME_BYTES = 200
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it can name a run; else ValueError saying what is wrong and the rule."""
+    rule = (f"a run name is one directory name of at most {MAX_RUN_NAME_BYTES} bytes "
+            "(UTF-8), without '/', NUL or control characters, and not '.' or '..'")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if not name:
+        raise ValueError(f"is empty; {rule}")
+    if size > MAX_RUN_NAME_BYTES:
+        raise ValueError(f"is {size} bytes long, the longest allowed is {MAX_RUN_NAME_BYTES} "
+                         f"(it becomes a directory under run.storage_path and the MLflow run "
+                         f"name, with suffixes); shorten it ({rule})")
+    bad = sorted({c for c in name if c == "/" or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        raise ValueError(f"contains {shown}; {rule}")
+    if name.strip() in (".", ".."):
+        raise ValueError(f"{name!r} names no directory of its own; {rule}")
+    return name
 
 
 class _Section(BaseModel):
@@ -257,6 +284,11 @@ class RunConfig(_Section):
     resume: bool = Field(
         True, description="Reuse the MLflow run and checkpoints of a same-named run."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_directory_name(cls, v: str) -> str:
+        return check_run_name(v)
 
 
 class Config(_Section):

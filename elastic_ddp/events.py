@@ -9,44 +9,35 @@ summary; the controller never imports MLflow.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Dict, List, Optional
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.callback import UserCallback
 
+from elastic_ddp.failures import classify, likely_cause, primary, read_position, signature
+
 EVENTS_ARTIFACT = "events/events.json"
 TIMELINE_ARTIFACT = "events/timeline.json"
 
-# Errors that no restart can fix: bad data or config surfacing on a worker.
-_FATAL_PATTERNS = ("DataError", "CheckpointError", "ConfigError", "BatchConfigError", "TaskError",
-                   "TransformError")
-_STEP_RE = re.compile(r"StepError: (step \d+) \(epoch \d+, rank \d+\): (.*)")
-
 
 class DeterministicTrainingError(RuntimeError):
-    """The same error at the same step on two attempts in a row (or a data/config error):
-    restarting would only spend the failure budget. Carries the original error text."""
-
-
-def _summarise(exc: Exception) -> str:
-    text = str(exc)
-    m = _STEP_RE.search(text)
-    if m:
-        return f"{m.group(1)}: {m.group(2).strip().splitlines()[0]}"
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else type(exc).__name__
+    """The same error (or the same death) at the same step on two attempts in a row, or a
+    data/config/checkpoint error: restarting would only spend the failure budget. The
+    message names the step, the rank, the phase and the likely cause."""
 
 
 class ElasticEvents(UserCallback):
     """Records failures and stops the job on deterministic errors (raising from a
     callback makes Ray Train fail the run without retrying: a ControllerError)."""
 
-    def __init__(self, tracker):
+    def __init__(self, tracker, run_name: Optional[str] = None, storage: Optional[str] = None):
         self.tracker = tracker
+        self.run_name, self.storage = run_name, storage
+        # rank -> {node_id, node_ip, pid} of the running worker group (ControllerEvents).
+        self.workers: Dict[int, Dict[str, Any]] = {}
+        self._last_signature: Optional[tuple] = None
         self.events: List[Dict[str, Any]] = []
-        self._last_signature: Optional[str] = None
         self._last_world_size: Optional[int] = None
         self._last_step: int = 0
         self._pending: Dict[int, Exception] = {}
@@ -77,27 +68,73 @@ class ElasticEvents(UserCallback):
         self._pending = dict(worker_exceptions)
 
     def on_failure_decision(self, decision) -> None:
-        """Record the failure once; raise to stop retrying a deterministic error."""
+        """Record the failure once, naming its cause: the first rank that died (with how,
+        where and at which step), else the first real error (not a peer's collateral
+        ``Connection closed by peer``). Raise to stop retrying a deterministic failure:
+        a fatal error (data, config, checkpoint), or the same fingerprint
+        (``failures.signature``: kind, phase, step, error without addresses/ports/pids)
+        as the previous attempt's."""
         pending, self._pending = self._pending, {}
-        summaries = {rank: _summarise(e) for rank, e in pending.items()}
-        texts = "\n".join(str(e) for e in pending.values())
-        step_sigs = sorted({s for s in summaries.values() if s.startswith("step ")})
-        cause = step_sigs[0] if step_sigs else next(iter(summaries.values()), "worker group failure")
-        self.record({"type": "failure", "t": time.time(), "cause": cause,
-                     "decision": getattr(decision, "value", str(decision)),
-                     "failed_ranks": sorted(summaries), "world_size_before": self._last_world_size,
-                     "last_checkpoint_step": self._last_step})
+        failures = classify(pending, self._positions(pending), self.workers)
+        cause = primary(failures)
+        event: Dict[str, Any] = {
+            "type": "failure", "t": time.time(),
+            "cause": cause.describe() if cause is not None else "worker group failure",
+            "decision": getattr(decision, "value", str(decision)),
+            "failed_ranks": sorted(pending), "world_size_before": self._last_world_size,
+            "last_checkpoint_step": max(self._last_step, self._stored_step())}
+        if cause is not None:
+            event.update({"cause_rank": cause.rank, "cause_kind": cause.kind, "step": cause.step,
+                          "phase": cause.phase, "node": cause.node, "pid": cause.pid,
+                          "signal": cause.signal or None})
+        self.record(event)
         if getattr(decision, "value", "") != "RETRY":
             return
-        if any(p in texts for p in _FATAL_PATTERNS):
+        sig = signature(cause)
+        stop = None
+        if cause is not None and cause.fatal:
+            stop = f"not retried (a data/config error: no restart can fix it): {cause.describe()}"
+        elif sig is not None and sig == self._last_signature:
+            what = "death" if cause.kind == "died" else "error"
+            stop = (f"the same {what} at the same step on two attempts in a row, not retried: "
+                    f"{cause.describe()}; {likely_cause(cause)}")
+        self._last_signature = sig
+        if stop is not None:
+            event["decision"] = "STOP (deterministic)"
+            self.record(None)
             self.flush()
-            raise DeterministicTrainingError(f"not retried (data/config error): {cause}")
-        signature = step_sigs[0] if step_sigs else None
-        if signature is not None and signature == self._last_signature:
-            self.flush()
-            raise DeterministicTrainingError(
-                f"the same error at the same step on two attempts, not retried: {cause}")
-        self._last_signature = signature
+            raise DeterministicTrainingError(stop)
+
+    def _stored_step(self) -> int:
+        """The newest complete checkpoint in storage: the one the restart resumes from
+        (a report the controller had not polled yet when the group failed included)."""
+        if not (self.storage and self.run_name):
+            return 0
+        try:
+            from elastic_ddp.checkpoint import checkpoint_step, newest_complete
+
+            ckpt = newest_complete(self.storage, self.run_name)
+            return max(0, checkpoint_step(ckpt.path)) if ckpt is not None else 0
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            return 0
+
+    def _positions(self, pending: Dict[int, Exception]) -> Dict[int, dict]:
+        """The last position record of every dead rank in ``pending`` (read on its node),
+        with the actor's death time from the GCS as ``t`` (who died first)."""
+        from elastic_ddp.failures import _death
+
+        out: Dict[int, dict] = {}
+        for rank, exc in pending.items():
+            dead = _death(exc)
+            if dead is None:
+                continue
+            meta = self.workers.get(rank, {})
+            pos = read_position(meta.get("node_id"), meta.get("pid")) or {}
+            if pos and pos.get("run") not in (None, self.run_name) and self.run_name:
+                pos = {}
+            t = _death_time(getattr(dead, "actor_id", None))
+            out[rank] = {**pos, "t": t if t is not None else pos.get("t")}
+        return out
 
     @property
     def open_failure(self) -> Optional[Dict[str, Any]]:
@@ -128,8 +165,11 @@ class ElasticEvents(UserCallback):
         before it finishes, so the driver reads complete lists)."""
         import ray
 
+        ref = self.tracker.snapshot.remote()
+        if not isinstance(ref, ray.ObjectRef):
+            return  # a tracker called in-process (tests): nothing in flight
         try:
-            ray.get(self.tracker.snapshot.remote(), timeout=timeout_s)
+            ray.get(ref, timeout=timeout_s)
         except Exception:  # noqa: BLE001 - tracking must never fail the run
             pass
 
@@ -172,6 +212,18 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
 
     def after_worker_group_start(self, worker_group) -> None:
         self.sink.mark("worker_group_started")
+        try:
+            workers = worker_group.get_workers()
+            self.sink.workers = {
+                (w.distributed_context.world_rank if w.distributed_context else i):
+                    {"node_id": w.metadata.node_id, "node_ip": w.metadata.node_ip,
+                     "pid": w.metadata.pid, "hostname": w.metadata.hostname}
+                for i, w in enumerate(workers)}
+            if self.sink._last_world_size is None:
+                # The first group: a failure before its first report has this size.
+                self.sink._last_world_size = len(workers)
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            self.sink.workers = {}
 
     def after_controller_finish(self, result) -> None:
         self.sink.flush()
@@ -203,3 +255,17 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
         # report (else the next failure would name the size of the group before it).
         self.sink._last_world_size = new_size
 
+
+
+def _death_time(actor_id: Optional[str]) -> Optional[float]:
+    """When the GCS saw actor ``actor_id`` die (seconds since the epoch), or None."""
+    if not actor_id:
+        return None
+    try:
+        import ray._private.state as state
+
+        info = state.actors(actor_id=actor_id)
+        end = info.get("EndTime") if isinstance(info, dict) else None
+        return end / 1000.0 if end else None
+    except Exception:  # noqa: BLE001 - bookkeeping only
+        return None

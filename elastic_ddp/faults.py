@@ -18,20 +18,23 @@ class Fault:
     """TEST HOOK: fault injection in real processes (``job["fault"]``, set only by
     ``launcher.train(..., fault=...)``; None makes every method a no-op).
 
-    ``{"rank": r, "at_step": k, "where": "step" | "checkpoint_write" | "error",
-    "marker": "/path/fired"}``:
+    ``{"rank": r, "at_step": k, "where": "step" | "kill_always" | "checkpoint_write" |
+    "error", "marker": "/path/fired"}``:
 
     - ``step``: rank r SIGKILLs itself just before computing step k (its peers block in
       that step's all-reduce: a worker dying mid-step as seen by the group).
     - ``checkpoint_write``: rank r (must be 0, the only writer) SIGKILLs itself inside
       ``save_state`` of the checkpoint at step k, after half of ``state.pt.tmp`` is on
       disk and before the ``os.replace``.
+    - ``kill_always``: rank r SIGKILLs itself inside step k on every attempt, after the
+      step's rows are read (a worker the kernel OOM-kills at the same step each time).
     - ``error``: rank r raises ``ValueError`` at step k on every attempt (a deterministic
       user error).
 
-    A kill fires once per job: it creates ``marker`` first and never fires while the
-    marker exists (a restarted attempt passes step k again). ``error`` ignores the marker
-    for firing but creates it, so a test can see that it ran.
+    A ``step`` or ``checkpoint_write`` kill fires once per job: it creates ``marker``
+    first and never fires while the marker exists (a restarted attempt passes step k
+    again). ``error`` and ``kill_always`` ignore the marker for firing but create it
+    (appending one line per firing), so a test can see how often they ran.
     """
 
     def __init__(self, spec: Optional[dict], rank: int):
@@ -42,18 +45,23 @@ class Fault:
         if s is None or s.get("where") != where or int(s["at_step"]) != step:
             return False
         marker = Path(s["marker"])
-        if where != "error" and marker.exists():
+        always = where in ("error", "kill_always")
+        if not always and marker.exists():
             return False
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"t": time.time(), "step": step, "where": where,
-                                      "pid": os.getpid()}))
+        line = json.dumps({"t": time.time(), "step": step, "where": where, "pid": os.getpid()})
+        if always:
+            with open(marker, "a") as f:
+                f.write(line + "\n")
+        else:
+            marker.write_text(line)
         return True
 
     def at_step(self, step: int) -> None:
         """Before computing ``step`` (counted from 1): kill or raise when armed here."""
         if self._arm("error", step):
             raise ValueError(f"injected deterministic error at step {step}")
-        if self._arm("step", step):
+        if self._arm("step", step) or self._arm("kill_always", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def checkpoint_hook(self, step: int):

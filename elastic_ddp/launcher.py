@@ -40,6 +40,38 @@ def _storage_path(cfg: Config) -> str:
     return p if is_uri(p) else local_path(p)
 
 
+def check_ray_address() -> None:
+    """Refuse a ``RAY_ADDRESS`` nothing answers at, before anything starts: ``ray.init``
+    would wait for its GCS for minutes without saying why.
+
+    Raises:
+        ConfigError: ``host:port`` (or ``ray://host:port``) refuses a TCP connection
+            within 5 s.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    from elastic_ddp.config import ConfigError
+
+    addr = os.environ.get("RAY_ADDRESS", "").strip()
+    if not addr or addr in ("auto", "local"):
+        return
+    parts = urlsplit(addr if "://" in addr else f"tcp://{addr}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        return
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(
+            f"RAY_ADDRESS={addr}: nothing answers at {host}:{port} ({e.strerror or e}); start "
+            "the cluster first (ray start --head, or cluster/local_cluster.py start), point "
+            "RAY_ADDRESS at its GCS address, or unset RAY_ADDRESS to train on a local Ray") from None
+
+
 def _init_ray(cfg: Config) -> None:
     import ray
 
@@ -67,18 +99,25 @@ class _Background:
     def __init__(self, fn, *args):
         self._out: list = []
         self._err: list = []
+        self._done = threading.Event()
 
         def run():
             try:
                 self._out.append(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to result()
                 self._err.append(e)
+            finally:
+                self._done.set()
 
         self._thread = threading.Thread(target=run, name="driver-setup", daemon=True)
         self._thread.start()
 
     def result(self):
-        self._thread.join()
+        # An Event, not Thread.join: a Ctrl-C that interrupts join() marks the thread
+        # stopped while it still runs (CPython 3.11), and a second join() then returns
+        # before the result exists. A wait interrupted here can simply be waited again.
+        while not self._done.wait(0.5):
+            pass
         if self._err:
             raise self._err[0]
         return self._out[0]
@@ -89,9 +128,13 @@ def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[s
     the job's MLflow run (opened or reopened), the Ray run name, and Ray Train imported.
     Returns (run_id, resumed, cfg)."""
     run_id, resumed = tracking.open_run(cfg, storage, uri, parent_run_id=parent_run_id)
-    cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
-    import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
-
+    try:
+        cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
+        import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
+    except BaseException as e:
+        # The run is open: it must not stay RUNNING.
+        _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}", "FAILED")
+        raise
     return run_id, resumed, cfg
 
 
@@ -128,7 +171,11 @@ def build_trainer(cfg: Config, job, tracker):
         num_workers = s.max_workers
         torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE), backend=torch_config.backend,
                                      timeout_s=s.collective_timeout_s)
-    sink = ElasticEvents(tracker)
+    sink = ElasticEvents(tracker, run_name=cfg.run.name, storage=_storage_path(cfg))
+    from elastic_ddp.paths import uri_to_filesystem
+
+    # Ray Train gets the file system and the path, never a string to parse as a URI.
+    storage_fs, storage_fs_path = uri_to_filesystem(_storage_path(cfg))
     return TorchTrainer(
         train_func,
         train_loop_config={"job": job},
@@ -140,7 +187,7 @@ def build_trainer(cfg: Config, job, tracker):
         ),
         run_config=RunConfig(
             name=cfg.run.name,
-            storage_path=_storage_path(cfg),
+            storage_path=storage_fs_path, storage_filesystem=storage_fs,
             # Controller errors (a placement that timed out, a worker dead before its train
             # function ran: events.retry_worker_deaths_at_start) are retried too, but not
             # forever: Ray's default is unbounded, and a death that repeats at start-up
@@ -177,7 +224,44 @@ def prepare(cfg: Config, task=None):
         epoch_order(train_info, cfg, 0)
     except ValueError as e:
         raise DataError(f"{d.train_path}: {e}") from None
-    return task, train_info, val_info, preflight(cfg, task, train_info, val_info)
+    sample = preflight(cfg, task, train_info, val_info)
+    check_storage(cfg)
+    return task, train_info, val_info, sample
+
+
+def check_storage(cfg: Config) -> None:
+    """A local ``run.storage_path`` must be a directory this process can create and write
+    (Ray Train's controller would otherwise die creating it, after the MLflow run opened).
+    URIs are left to their file system (credentials may live on the cluster only).
+
+    Raises:
+        ConfigError: the directory cannot be created or written, naming it and why.
+    """
+    from elastic_ddp.config import ConfigError
+    from elastic_ddp.paths import is_uri, local_path, uri_to_filesystem
+
+    path = cfg.run.storage_path
+    if is_uri(path):
+        if not path.lower().startswith("file:"):
+            return
+        try:  # a file:// URI with a raw '?' or '#', a host, a bad escape
+            path = uri_to_filesystem(path)[1]
+        except ValueError as e:
+            raise ConfigError(f"run.storage_path: {e}") from None
+    d = Path(local_path(path))
+    # Nothing is created here: the nearest existing ancestor must be a writable directory.
+    near = d
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    why = None
+    if not near.is_dir():
+        why = f"{near} is not a directory"
+    elif not os.access(near, os.W_OK | os.X_OK):
+        why = f"{near} is not writable by this user"
+    if why:
+        raise ConfigError(f"run.storage_path={cfg.run.storage_path!r}: cannot create or write {d} "
+                          f"({why}); choose a directory you can write, or a URI such as "
+                          "s3://bucket/runs")
 
 
 def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bool = True,
@@ -210,6 +294,8 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     task, train_info, val_info, sample = prepare(cfg, task)
     if on_validated is not None:
         on_validated(cfg)
+    skipped = _report_skipped(train_info, val_info)
+    check_ray_address()
     marks["scanned"] = time.time()
     uri = tracking.default_tracking_uri(cfg)
     storage = _storage_path(cfg)
@@ -217,12 +303,26 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     # set-up runs beside it in a thread (opening the MLflow run, importing Ray Train and
     # torch). Errors in the thread are re-raised here, after ray.init.
     side = _Background(_driver_setup, cfg, storage, uri, parent_run_id)
-    _init_ray(cfg)
-    marks["ray_ready"] = time.time()
-    run_id, resumed, cfg = side.result()
+    try:
+        _init_ray(cfg)
+        marks["ray_ready"] = time.time()
+        run_id, resumed, cfg = side.result()
+    except BaseException as e:
+        # The run may be open by now (opened beside ray.init): close it, then re-raise.
+        # (A set-up that failed, e.g. a deleted experiment, raises again here: no run.)
+        try:
+            run_id = side.result()[0]
+        except BaseException:  # noqa: BLE001 - set-up failed too: no run is left open
+            raise e from None
+        _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
+                      "FAILED" if isinstance(e, Exception) else "KILLED")
+        raise
     tracker = None
     try:
-        tracker = tracking.start_tracker(uri, run_id)
+        if skipped:
+            tracking.log_text(uri, run_id, json.dumps(skipped, indent=1), "data/skipped.json")
+            tracking.set_tags(uri, run_id, {"elastic_ddp.data_skipped": sum(map(len, skipped.values()))})
+        tracker = tracking.start_tracker(uri, run_id, resumed)
         from elastic_ddp.batching import run_length
 
         total = run_length(cfg, train_info.num_rows, cfg.scaling.max_workers)[1].total_steps
@@ -242,7 +342,9 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
         return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, train_info.num_rows,
                        storage)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
-        msg = f"{type(e).__name__}: {e}"
+        from elastic_ddp.failures import describe_training_error
+
+        msg = describe_training_error(e)
         _close_failed(uri, run_id, tracker, msg, "FAILED")
         raise TrainingError(f"training failed (MLflow run {run_id} marked FAILED): {msg}") from e
     except BaseException:
@@ -263,7 +365,13 @@ def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str) -> None
             ray.get(tracker.flush.remote(30), timeout=40)
         except Exception:  # noqa: BLE001 - closing the run matters more than the last metrics
             pass
-    tracking.finish_run(uri, run_id, ok=False, error=msg, status=status)
+    try:
+        tracking.finish_run(uri, run_id, ok=False, error=msg, status=status)
+    except Exception as e:  # noqa: BLE001 - the job's own error is the one to raise
+        import sys
+
+        print(f"elastic-ddp: warning: could not mark MLflow run {run_id} {status} "
+              f"({type(e).__name__}: {e}); it may still read RUNNING", file=sys.stderr, flush=True)
 
 
 def _with_ray_run_name(cfg: Config, storage: str, uri: str, run_id: str, resumed: bool) -> Config:
@@ -350,7 +458,7 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
         skipped_steps=int(counters.get("skipped_steps", 0)),
         epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
-        tracking={k: snap[k] for k in ("delayed", "dropped", "last_error")})
+        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")})
     tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     tracking.finish_run(uri, run_id, ok=True)
     return summary
@@ -366,3 +474,18 @@ def process_start_time() -> Optional[float]:
         return btime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def _report_skipped(train_info, val_info) -> dict[str, list[str]]:
+    """Print once what the scan did not read (hidden entries, non-Parquet files, a
+    directory reached twice through symlinks), and return it for the MLflow run."""
+    out = {}
+    for split, info in (("train", train_info), ("val", val_info)):
+        if info is not None and info.skipped:
+            out[split] = list(info.skipped)
+            shown = "\n".join(f"  {s}" for s in info.skipped[:20])
+            more = f"\n  ... and {len(info.skipped) - 20} more" if len(info.skipped) > 20 else ""
+            print(f"elastic-ddp: {split} data {info.path}: {len(info.files)} Parquet file(s) read; "
+                  f"{len(info.skipped)} entr{'y' if len(info.skipped) == 1 else 'ies'} not read:\n"
+                  f"{shown}{more}", flush=True)
+    return out

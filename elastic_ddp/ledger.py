@@ -9,7 +9,8 @@
 ``{"header": true, "attempt", "rank", "world_size", "resumed_from", "t"}`` (``attempt`` is
 an id shared by the ranks of one worker group, ``t`` the wall-clock start in seconds),
 then one line per optimizer step ``{"epoch", "step", "ids"}`` with the ids this rank
-computed in that step (``step`` counts from 1 over the whole run).
+computed in that step (``step`` counts from 1 over the whole run), plus ``"skipped":
+true`` when the step's update was dropped on every rank (a non-finite gradient).
 
 Commit rule (the checkpoint is the only committed progress): a step of an attempt is
 COMMITTED iff ``step <= resumed_from`` of the NEXT attempt (attempts ordered by start
@@ -19,7 +20,10 @@ restart; counting them would double-count.
 
 What "loses nothing" means here, per epoch: every id of the data set appears in exactly
 one committed step (``lost == 0`` and ``repeated == 0``), and inside every attempt all
-ranks ran the same number of steps (else a collective would have hung).
+ranks ran the same number of steps (else a collective would have hung). A skipped step's
+samples were consumed (they are not lost, the epoch moved past them) but not learned from:
+the audit counts them apart, as ``skipped``, and checks that every rank skipped the same
+steps (the decision must be one for all ranks).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Attempt:
         world_size: ranks in this attempt.
         resumed_from: the checkpoint step it resumed from (0: a fresh start).
         steps: rank -> list of (epoch, step, ids as an int64 array [k]).
+        skipped: rank -> the steps that rank recorded as skipped.
     """
 
     key: str
@@ -56,6 +61,7 @@ class Attempt:
     world_size: int
     resumed_from: int
     steps: dict[int, list[tuple[int, int, np.ndarray]]] = field(default_factory=dict)
+    skipped: dict[int, set[int]] = field(default_factory=dict)
 
 
 def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
@@ -95,6 +101,7 @@ def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
                               f"vs {a.world_size}/{a.resumed_from}")
         a.t = min(a.t, float(head["t"]))
         rows: list[tuple[int, int, np.ndarray]] = []
+        skipped: set[int] = set()
         for ln in lines[1:]:
             try:
                 rec = json.loads(ln)
@@ -103,7 +110,10 @@ def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
             if "commit" in rec:
                 continue  # per-step ledgers: audit_per_step reads these
             rows.append((int(rec["epoch"]), int(rec["step"]), np.asarray(rec["ids"], np.int64)))
+            if rec.get("skipped"):
+                skipped.add(int(rec["step"]))
         a.steps[int(head["rank"])] = rows
+        a.skipped[int(head["rank"])] = skipped
     return sorted(attempts.values(), key=lambda a: a.t)
 
 
@@ -120,13 +130,16 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
 
     Returns:
         ``{"attempts": [{"key", "t", "world_size", "resumed_from", "steps_per_rank":
-        {epoch: {rank: n}}, "ranks_equal": bool, "committed_steps", "recomputed_steps"}],
-        "epochs": {epoch: {"committed_ids": sorted list, "steps": n, "repeated": n,
-        "lost": n, "unknown": n}}, "world_sizes": [ws per attempt], "ok": bool}``.
+        {epoch: {rank: n}}, "ranks_equal": bool, "skips_agree": bool, "committed_steps",
+        "recomputed_steps"}], "epochs": {epoch: {"committed_ids": sorted list, "steps": n,
+        "repeated": n, "lost": n, "unknown": n, "skipped": n, "skipped_steps": [steps],
+        "skipped_ids": sorted list}}, "world_sizes": [ws per attempt], "ok": bool}``.
         ``repeated`` counts id uses beyond the first in committed steps of the epoch,
         ``lost`` the data set's ids no committed step used, ``unknown`` ids not in the
-        data set; ``ok`` is all three zero for every epoch and equal step counts across
-        ranks in every attempt.
+        data set, ``skipped`` the ids of committed steps that were skipped (consumed, not
+        learned from: neither lost nor repeated); ``ok`` is repeated, lost and unknown
+        zero for every epoch, equal step counts across ranks in every attempt, and the same
+        skipped steps on every rank of an attempt.
 
     Raises:
         LedgerError: see ``read_attempts``.
@@ -138,6 +151,8 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
     epoch_list = list(range(epochs)) if isinstance(epochs, int) else sorted(epochs)
     used: dict[int, Counter] = defaultdict(Counter)
     committed_steps: dict[int, set[int]] = defaultdict(set)
+    skipped_ids: dict[int, set[int]] = defaultdict(set)
+    skipped_steps: dict[int, set[int]] = defaultdict(set)
     out_attempts = []
     for i, a in enumerate(attempts):
         last = i == len(attempts) - 1
@@ -155,6 +170,9 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
             for ep, step, ids in rows:
                 if limit is None or step <= limit:
                     used[ep].update(ids.tolist())
+                    if step in a.skipped.get(rank, ()):
+                        skipped_ids[ep].update(ids.tolist())
+                        skipped_steps[ep].add(step)
                     if rank == min(a.steps):
                         n_committed += 1
                     committed_steps[ep].add(step)
@@ -162,11 +180,15 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
                     n_recomputed += 1
         ranks_equal = (len(a.steps) == a.world_size and all(
             len(set(r.values())) == 1 and len(r) == a.world_size for r in per_epoch.values()))
+        # A rank may die mid-step: compare the skips over the steps every rank recorded.
+        common = set.intersection(*({s for _, s, _ in rows} for rows in a.steps.values())) \
+            if a.steps else set()
+        skips_agree = len({frozenset(sk & common) for sk in a.skipped.values()}) <= 1
         out_attempts.append({
             "key": a.key, "t": a.t, "world_size": a.world_size,
             "resumed_from": a.resumed_from, "ranks_seen": sorted(a.steps),
             "steps_per_rank": {ep: dict(r) for ep, r in sorted(per_epoch.items())},
-            "ranks_equal": ranks_equal, "committed_steps": n_committed,
+            "ranks_equal": ranks_equal, "skips_agree": skips_agree, "committed_steps": n_committed,
             "recomputed_steps": n_recomputed,
         })
     out_epochs = {}
@@ -179,10 +201,13 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
             "repeated": int(sum(n - 1 for n in c.values() if n > 1)),
             "lost": int(len(np.setdiff1d(universe, ids))),
             "unknown": int(len(np.setdiff1d(ids, universe))),
+            "skipped": len(skipped_ids.get(ep, ())),
+            "skipped_steps": sorted(skipped_steps.get(ep, ())),
+            "skipped_ids": sorted(skipped_ids.get(ep, ())),
         }
     ok = (all(e["repeated"] == 0 and e["lost"] == 0 and e["unknown"] == 0
               for e in out_epochs.values())
-          and all(a["ranks_equal"] for a in out_attempts))
+          and all(a["ranks_equal"] and a["skips_agree"] for a in out_attempts))
     return {"attempts": out_attempts, "epochs": out_epochs,
             "world_sizes": [a.world_size for a in attempts], "ok": ok}
 
@@ -266,10 +291,10 @@ def format_audit(report: dict) -> str:
     for i, a in enumerate(report["attempts"]):
         lines.append(f"{i:7d}  {a['world_size']:10d}  {a['resumed_from']:12d}  "
                      f"{a['committed_steps']:9d}  {a['recomputed_steps']:10d}  {a['ranks_equal']}")
-    lines.append("epoch  steps  ids_used  repeated  lost  unknown")
+    lines.append("epoch  steps  ids_used  repeated  lost  unknown  skipped")
     for ep, e in sorted(report["epochs"].items()):
         lines.append(f"{ep:5d}  {e['steps']:5d}  {len(e['committed_ids']):8d}  "
-                     f"{e['repeated']:8d}  {e['lost']:4d}  {e['unknown']:7d}")
+                     f"{e['repeated']:8d}  {e['lost']:4d}  {e['unknown']:7d}  {e.get('skipped', 0):7d}")
     lines.append("OK: every sample once per epoch" if report["ok"] else "NOT OK")
     return "\n".join(lines)
 

@@ -24,12 +24,63 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from elastic_ddp.config import Config
+from elastic_ddp.config import Config, ConfigError
 
 RUN_KEY_TAG = "elastic_ddp.run_key"
 STATE_TAG = "elastic_ddp.state"
+ATTEMPTS_TAG = "elastic_ddp.attempts"            # worker-group starts of the job so far
+WORLD_SIZES_TAG = "elastic_ddp.world_sizes_seen"
 # Metrics held for a store that is down, at most (the oldest are dropped past this).
 MAX_BUFFERED_METRICS = 200_000
+# How long a driver-side MLflow call keeps retrying a store that is down or locked
+# (sqlite "database is locked" after MLflow's own 20 s busy timeout, a server's 5xx).
+STORE_RETRY_S = 180.0
+
+
+class TrackingSetupError(ConfigError):
+    """The tracking store refuses the job before any run is created (e.g. its experiment
+    is deleted); the message says what to do (the CLI's exit 2)."""
+
+
+def _transient(e: BaseException) -> bool:
+    """A store error worth retrying: locked, unreachable, overloaded. Requests MLflow
+    itself rejects (a bad name, a deleted experiment, a missing run) are not."""
+    code = getattr(e, "error_code", None)
+    if code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE",
+                "RESOURCE_ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED"):
+        return False
+    text = f"{type(e).__name__}: {e}"
+    return code in ("TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED") or any(
+        w in text for w in ("database is locked", "database table is locked", "OperationalError",
+                            "ConnectionError", "Connection refused", "Connection reset",
+                            "timed out", "Timeout", "Max retries exceeded", " 502", " 503",
+                            " 504", "Service Unavailable", "Bad Gateway"))
+
+
+def retrying(fn, *args, budget_s: Optional[float] = None, what: str = "", **kwargs):
+    """``fn(*args, **kwargs)``, retried with back-off (1 s doubling to 10 s) while the
+    store's errors are transient, for ``budget_s`` (default :data:`STORE_RETRY_S`).
+    Each retry is one line on stderr, so a wait is never silent.
+
+    Raises:
+        the last error when it is not transient or the budget is spent.
+    """
+    import sys
+
+    budget = STORE_RETRY_S if budget_s is None else budget_s
+    end = time.monotonic() + budget
+    delay = 1.0
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not _transient(e) or time.monotonic() + delay > end:
+                raise
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            print(f"elastic-ddp: warning: MLflow store unavailable ({what or getattr(fn, '__name__', 'call')}: "
+                  f"{type(e).__name__}: {first}); retrying in {delay:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            delay = min(10.0, delay * 2)
 
 
 def default_tracking_uri(cfg: Optional[Config] = None) -> str:
@@ -58,10 +109,22 @@ def client(uri: str):
 
 
 def experiment_id(uri: str, name: str) -> str:
-    """The id of experiment ``name``, created when missing."""
+    """The id of experiment ``name``, created when missing.
+
+    Raises:
+        TrackingSetupError: the experiment exists but is deleted (MLflow keeps its name
+            and refuses new runs in it).
+    """
     c = client(uri)
-    exp = c.get_experiment_by_name(name)
-    return exp.experiment_id if exp else c.create_experiment(name)
+    exp = retrying(c.get_experiment_by_name, name, what="get experiment")
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise TrackingSetupError(
+            f"run.experiment_name={name!r}: MLflow experiment {exp.experiment_id} of that name is "
+            f"deleted in the tracking store {uri}, and MLflow creates no run in a deleted "
+            f"experiment (its name stays taken until `mlflow gc` purges it). Restore it: "
+            f"MLFLOW_TRACKING_URI='{uri}' mlflow experiments restore --experiment-id "
+            f"{exp.experiment_id}; or set run.experiment_name to another name")
+    return exp.experiment_id if exp else retrying(c.create_experiment, name, what="create experiment")
 
 
 def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[str] = None,
@@ -79,15 +142,16 @@ def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[s
     exp_id = experiment_id(uri, cfg.run.experiment_name)
     key = run_key(cfg, storage_path)
     if cfg.run.resume:
-        runs = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'",
-                             order_by=["attributes.start_time DESC"], max_results=1)
+        runs = retrying(c.search_runs, [exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'",
+                        order_by=["attributes.start_time DESC"], max_results=1, what="search runs")
         if runs and runs[0].info.status != "FINISHED":
-            c.update_run(runs[0].info.run_id, status="RUNNING")
+            retrying(c.update_run, runs[0].info.run_id, status="RUNNING", what="reopen run")
             return runs[0].info.run_id, True
     all_tags = {RUN_KEY_TAG: key, STATE_TAG: "running", **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    run = c.create_run(exp_id, run_name=run_name or cfg.run.name, tags=all_tags)
+    run = retrying(c.create_run, exp_id, run_name=run_name or cfg.run.name, tags=all_tags,
+                   what="create run")
     log_params(uri, run.info.run_id, cfg.to_flat_dict() if params is None else params)
     return run.info.run_id, False
 
@@ -99,44 +163,51 @@ def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     items = [Param(k, str(v)[:6000]) for k, v in params.items()]
     c = client(uri)
     for i in range(0, len(items), 100):
-        c.log_batch(run_id, params=items[i:i + 100])
+        retrying(c.log_batch, run_id, params=items[i:i + 100], what="log params")
 
 
 def finish_run(uri: str, run_id: str, ok: bool, error: str | None = None,
                status: str | None = None) -> None:
     """Close the run as FINISHED or FAILED; a failed run keeps the error as a tag so the
     store never holds a run that looks alive but is not."""
+    from mlflow.entities import RunTag
+
     c = client(uri)
+    tags = [RunTag(STATE_TAG, "finished" if ok else "failed")]
     if error:
-        c.set_tag(run_id, "elastic_ddp.error", error[:5000])
-    c.set_tag(run_id, STATE_TAG, "finished" if ok else "failed")
-    c.set_terminated(run_id, status=status or ("FINISHED" if ok else "FAILED"))
+        tags.append(RunTag("elastic_ddp.error", error[:5000]))
+    retrying(c.log_batch, run_id, tags=tags, what="close run")
+    retrying(c.set_terminated, run_id, status=status or ("FINISHED" if ok else "FAILED"),
+             what="close run")
 
 
 def run_info(uri: str, run_id: str):
     """The run's ``mlflow.entities.Run``."""
-    return client(uri).get_run(run_id)
+    return retrying(client(uri).get_run, run_id, what="get run")
 
 
 def set_tags(uri: str, run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
 
-    client(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    retrying(client(uri).log_batch, run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()],
+             what="set tags")
 
 
 def log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     from mlflow.entities import Metric
 
     ts = int(time.time() * 1000)
-    client(uri).log_batch(run_id, metrics=[Metric(k, float(v), ts, int(step)) for k, v in metrics.items()])
+    retrying(client(uri).log_batch, run_id,
+             metrics=[Metric(k, float(v), ts, int(step)) for k, v in metrics.items()],
+             what="log metrics")
 
 
 def log_text(uri: str, run_id: str, text: str, artifact_file: str) -> None:
-    client(uri).log_text(run_id, text, artifact_file)
+    retrying(client(uri).log_text, run_id, text, artifact_file, what="log artifact")
 
 
 def log_artifact(uri: str, run_id: str, local_path: str, artifact_path: Optional[str] = None) -> None:
-    client(uri).log_artifact(run_id, local_path, artifact_path)
+    retrying(client(uri).log_artifact, run_id, local_path, artifact_path, what="log artifact")
 
 
 def download_artifact(uri: str, run_id: str, path: str, dst: str) -> str:
@@ -160,8 +231,16 @@ class JobTracker:
     controller ``timeline``, and the write counters ``delayed``/``dropped``.
     """
 
-    def __init__(self, uri: str, run_id: str, flush_period_s: float = 1.0):
+    def __init__(self, uri: str, run_id: str, flush_period_s: float = 1.0,
+                 attempts_before: int = 0, world_sizes_before: Optional[list] = None):
         self.uri, self.run_id = uri, run_id
+        # Worker-group starts of this job in earlier submissions (the run's tags), so the
+        # restart count holds across resubmissions.
+        self._attempts = int(attempts_before)
+        self._world_sizes = [int(w) for w in (world_sizes_before or [])]
+        self._outage_since: Optional[float] = None
+        self.unavailable_s = 0.0
+        self._early_updates: dict[int, dict[str, Any]] = {}
         self.latest: dict[str, float] = {}
         self.attempts: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -194,6 +273,17 @@ class JobTracker:
         with self._lock:
             self._tags.update({k: str(v) for k, v in tags.items()})
 
+    def start_attempt(self, world_size: int) -> dict[str, Any]:
+        """A worker group's rank 0 starts (restored its checkpoint): count it. Returns
+        ``{"attempts": starts of this job so far, this one included, "world_sizes": their
+        world sizes}``; also kept as the run's tags for a resubmission."""
+        with self._lock:
+            self._attempts += 1
+            self._world_sizes.append(int(world_size))
+            self._tags[ATTEMPTS_TAG] = str(self._attempts)
+            self._tags[WORLD_SIZES_TAG] = json.dumps(self._world_sizes)
+            return {"attempts": self._attempts, "world_sizes": list(self._world_sizes)}
+
     def attempt(self, **marks: Any) -> None:
         """A worker group (re)started: rank 0 reports its world size and ``enter``/``ready``
         marks; ``first_step`` marks (with ``step``) update the newest attempt."""
@@ -211,7 +301,11 @@ class JobTracker:
                 # The newest step logged before the event: a lower bound of how far the
                 # failed attempt got (recomputed steps; exact from the ledger).
                 event.setdefault("last_step_seen", int(self.latest.get("step", 0)))
+                # A threaded actor may run the controller's calls out of order: an update
+                # can arrive before its event, and events before earlier ones.
+                event.update(self._early_updates.pop(event.get("index"), {}))
                 self.events.append(event)
+                self.events.sort(key=lambda e: e.get("index", 0))
             if timeline is not None:
                 self.timeline.append(timeline)
             self._artifacts["events/events.json"] = json.dumps(self.events, indent=1)
@@ -219,7 +313,11 @@ class JobTracker:
 
     def update_event(self, index: int, fields: dict[str, Any]) -> None:
         with self._lock:
-            self.events[index].update(fields)
+            ev = next((e for e in self.events if e.get("index") == index), None)
+            if ev is None:
+                self._early_updates.setdefault(index, {}).update(fields)
+                return
+            ev.update(fields)
             self._artifacts["events/events.json"] = json.dumps(self.events, indent=1)
 
     def progress(self) -> dict[str, float]:
@@ -231,7 +329,9 @@ class JobTracker:
             return {"latest": dict(self.latest), "attempts": [dict(a) for a in self.attempts],
                     "events": [dict(e) for e in self.events], "timeline": list(self.timeline),
                     "delayed": self.delayed, "dropped": self.dropped,
-                    "pending": len(self._metrics), "last_error": self.last_error}
+                    "pending": len(self._metrics), "last_error": self.last_error,
+                    "unavailable_s": round(self.unavailable_s + (
+                        time.time() - self._outage_since if self._outage_since else 0.0), 1)}
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything sent so far is written; False when the store is still
@@ -251,20 +351,67 @@ class JobTracker:
                 target = self._requested
                 metrics, tags, arts = self._metrics, self._tags, self._artifacts
                 self._metrics, self._tags, self._artifacts = [], {}, {}
+            t_try = time.time()
             try:
                 self._write(metrics, tags, arts)
                 backoff = self._period
                 with self._cv:
                     self._written = max(self._written, target)
+                    if self._outage_since is not None:
+                        # Everything in the batch that ends an outage waited for it (the
+                        # failed batches are re-queued into it): each value counts once.
+                        self.delayed += len(metrics)
+                        self.unavailable_s += time.time() - self._outage_since
+                        print(f"elastic-ddp tracker: MLflow store back after "
+                              f"{time.time() - self._outage_since:.0f} s; {len(metrics)} delayed "
+                              "metric values written", flush=True)
+                        self._outage_since = None
                     self._cv.notify_all()
             except Exception as e:  # noqa: BLE001 - the store is down or locked: retry later
+                if not _transient(e):
+                    # The store refuses something in the batch (a metric name it does not
+                    # allow, a value too long): retrying would block every later metric.
+                    metrics, tags, arts = self._drop_refused(metrics, tags, arts)
+                    if not (metrics or tags or arts):
+                        with self._cv:
+                            self._written = max(self._written, target)
+                            self._cv.notify_all()
+                        continue
                 with self._cv:
                     self._metrics[:0] = metrics
                     self._tags = {**tags, **self._tags}
                     self._artifacts = {**arts, **self._artifacts}
-                    self.delayed += len(metrics)
                     self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
-                backoff = min(30.0, backoff * 2)
+                    if self._outage_since is None:
+                        self._outage_since = t_try
+                        print(f"elastic-ddp tracker: warning: MLflow store unavailable "
+                              f"({self.last_error[:200]}); buffering metrics and retrying", flush=True)
+                backoff = min(10.0, backoff * 2)
+
+    def _drop_refused(self, metrics, tags, arts):
+        """Write each metric key, tag and artifact on its own; drop (count, warn) what the
+        store refuses. Returns what is left when a transient error interrupts."""
+        items = ([("metric", k, [m for m in metrics if m[0] == k]) for k in dict.fromkeys(m[0] for m in metrics)]
+                 + [("tag", k, v) for k, v in tags.items()] + [("artifact", k, v) for k, v in arts.items()])
+        for i, (kind, key, value) in enumerate(items):
+            try:
+                if kind == "metric":
+                    self._write(value, {}, {})
+                else:
+                    self._write([], {key: value} if kind == "tag" else {}, {key: value} if kind == "artifact" else {})
+            except Exception as e:  # noqa: BLE001 - sorted out below
+                if _transient(e):
+                    rest = items[i:]
+                    return ([m for kd, _, v in rest if kd == "metric" for m in v],
+                            {k: v for kd, k, v in rest if kd == "tag"},
+                            {k: v for kd, k, v in rest if kd == "artifact"})
+                n = len(value) if kind == "metric" else 1
+                with self._lock:
+                    self.dropped += n if kind == "metric" else 0
+                    self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"elastic-ddp tracker: warning: MLflow refused {kind} {key!r} ({n} value(s) "
+                      f"dropped): {str(e).splitlines()[0][:300]}", flush=True)
+        return [], {}, {}
 
     def _write(self, metrics, tags, arts) -> None:
         if not (metrics or tags or arts):
@@ -281,9 +428,10 @@ class JobTracker:
             self._client.log_text(self.run_id, text, path)
 
 
-def start_tracker(uri: str, run_id: str):
+def start_tracker(uri: str, run_id: str, resumed: bool = False):
     """The job's :class:`JobTracker` actor on this node (no CPU reserved), named after the
-    run so a restarted controller finds the same one."""
+    run so a restarted controller finds the same one. ``resumed``: the run is an earlier
+    submission's; its worker-group starts so far are read from the run's tags."""
     import ray
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -293,7 +441,16 @@ def start_tracker(uri: str, run_id: str):
         name=f"elastic-ddp-tracker-{run_id}", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                            soft=True),
-    ).remote(uri, run_id)
+    ).remote(uri, run_id, **(_attempts_so_far(uri, run_id) if resumed else {}))
+
+
+def _attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:
+    tags = run_info(uri, run_id).data.tags
+    try:
+        return {"attempts_before": int(tags.get(ATTEMPTS_TAG, 0)),
+                "world_sizes_before": [int(w) for w in json.loads(tags.get(WORLD_SIZES_TAG, "[]"))]}
+    except (ValueError, TypeError):
+        return {}
 
 
 class TrackerClient:
@@ -314,3 +471,15 @@ class TrackerClient:
     def attempt(self, **marks: Any) -> None:
         if self.actor is not None:
             self.actor.attempt.remote(**marks)
+
+    def start_attempt(self, world_size: int) -> Optional[dict[str, Any]]:
+        """Rank 0: count this worker-group start (``JobTracker.start_attempt``); None on
+        other ranks or when the tracker does not answer in 30 s."""
+        if self.actor is None:
+            return None
+        import ray
+
+        try:
+            return ray.get(self.actor.start_attempt.remote(int(world_size)), timeout=30)
+        except Exception:  # noqa: BLE001 - tracking never fails training
+            return None

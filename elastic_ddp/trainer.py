@@ -27,6 +27,7 @@ from elastic_ddp.checkpoint import CheckpointError, report
 from elastic_ddp.config import Config
 from elastic_ddp.data.ingest import open_train_reader
 from elastic_ddp.evaluation import evaluate
+from elastic_ddp.failures import Position
 from elastic_ddp.faults import Fault
 from elastic_ddp.ledger import LedgerWriter
 from elastic_ddp.metrics import StepWindow, gradient_bytes
@@ -120,6 +121,9 @@ class Trainer:
         self.resumed_from: Optional[int] = None
         self.tracker = TrackerClient(job.tracker, enabled=rank == 0)
         self.fault = Fault(job.fault, rank)
+        # Where this rank is (phase, step), for the controller when the process dies
+        # without a Python error (elastic_ddp.failures).
+        self.position = Position(rank, cfg.run.name)
         self.window = StepWindow()
         self._nonfinite_run = 0
         self._reader = self._order = None
@@ -178,6 +182,7 @@ class Trainer:
         (``checkpoint.newest_complete``). None and none in storage: a fresh start."""
         from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
 
+        self.at("restore", 0)
         if self.job.storage:
             newer = newest_complete(self.job.storage, self.cfg.run.name,
                                     checkpoint_step(checkpoint.path) if checkpoint is not None else -1)
@@ -186,16 +191,26 @@ class Trainer:
                          f"{checkpoint.path if checkpoint is not None else 'none'}")
                 checkpoint = newer
         if checkpoint is not None:
+            self.at("restore", checkpoint_step(checkpoint.path))
             with checkpoint.as_directory() as d:
                 self.load_state_dict(load_state(d))
             self.counters.restarts += 1
             self.resumed_from = self.progress.step
         self.counters.world_sizes_seen.append(self.world_size)
+        # The job's worker-group starts so far (rank 0 asks the tracker): a restart
+        # before the first checkpoint, or one from a checkpoint older than the last
+        # restart, counts too.
+        seen = self.tracker.start_attempt(self.world_size)
+        if seen is not None:
+            self.counters.restarts = max(self.counters.restarts, seen["attempts"] - 1)
+            if len(seen["world_sizes"]) >= len(self.counters.world_sizes_seen):
+                self.counters.world_sizes_seen = list(seen["world_sizes"])
         self.counters.uncommitted_train_s = 0.0
 
     def checkpoint(self, metrics: dict[str, float], final: bool = False) -> None:
         """Commit the state (every rank calls it); the steps since the last checkpoint
         become committed time. ``final``: the run's last one."""
+        self.at("checkpoint", self.progress.step)
         c = self.counters
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
@@ -297,7 +312,9 @@ class Trainer:
             self.ensure_reader(rank, ws)
             rows = self._order.rank_rows(p.cursor, n, ws, list(self.plan.rows_per_rank)
                                          if ws == self.world_size else None)
+            self.at("data read", p.step + 1)
             batch = self._reader.take(p.cursor, n)
+            self.at("training step", p.step + 1)
             self._reader_at = p.cursor + n
         else:  # a replica healing this step computes nothing (zero gradient)
             rows, rank = [0] + [n], 0
@@ -370,6 +387,10 @@ class Trainer:
             if b > a:
                 sums.append((float(loss_vec.detach().float().sum()),
                              {k: float(v.detach().float().sum()) for k, v in extra.items()}, b - a))
+            else:
+                # An empty share still names the task's metrics: every rank must send the
+                # same keys to the window's all-reduce (metrics.StepWindow.reduce).
+                sums.append((0.0, {k: 0.0 for k in extra}, 0))
         if w.grad_bytes is None:
             w.grad_bytes = gradient_bytes(s.model.parameters())
         return sums, bn_saved
@@ -402,6 +423,9 @@ class Trainer:
         self._nonfinite_run += 1
         self.log(f"step {self.progress.step + 1}: non-finite gradient, step skipped on every rank "
                  f"({self._nonfinite_run} in a row)")
+        self.tracker.log_metrics({"skipped_steps": self.counters.skipped_steps,
+                                  "skipped_samples": self.counters.skipped_samples},
+                                 self.progress.step + 1)
         if self._nonfinite_run >= self.cfg.train.max_nonfinite_steps:
             raise NonFiniteError(
                 f"{self._nonfinite_run} consecutive steps had a non-finite loss or gradient (up to "
@@ -427,6 +451,7 @@ class Trainer:
         p = self.progress
         if not self.should_log(p.step):
             return
+        self.at("metrics", p.step)
         m = self.window.reduce(self.comm_size, self.device)
         m.update(step=p.step, epoch=p.epoch, world_size=self.world_size)
         self.tracker.log_metrics(m, p.step)
@@ -436,6 +461,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over the whole val split (``evaluation.evaluate``), logged."""
+        self.at("evaluation", self.progress.step)
         out = evaluate(self)
         if out:
             self.tracker.log_metrics(out, self.progress.step)
@@ -445,6 +471,12 @@ class Trainer:
     def finish(self) -> None:
         """Send the run-wide counters and close the ledger."""
         self.tracker.set_tags({"elastic_ddp.world_sizes_seen": self.counters.world_sizes_seen})
+        self.position.close()
+
+    def at(self, phase: str, step: int) -> None:
+        """Record where this rank is (``failures.Position``): the phase and the step it
+        is computing (or, for metrics, evaluation and checkpoints, has just finished)."""
+        self.position.at(phase, step, self.progress.epoch)
 
     def log(self, msg: str) -> None:
         """A rank-prefixed line in rank 0's log (Ray's worker log file)."""

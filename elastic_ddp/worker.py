@@ -16,6 +16,7 @@ def train_func(loop_config: dict) -> None:
     import ray.train.torch
     import torch
 
+    from elastic_ddp.failures import located
     from elastic_ddp.trainer import Trainer
 
     job = loop_config["job"]
@@ -27,8 +28,17 @@ def train_func(loop_config: dict) -> None:
         from elastic_ddp.fault_tolerance import per_step_trainer_class
 
         cls = per_step_trainer_class()
-    trainer = cls(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
-    trainer._t_enter = t_enter
-    trainer.restore(ray.train.get_checkpoint())
-    trainer.fit()
-    trainer.finish()
+    trainer = None
+    try:
+        trainer = cls(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+        trainer._t_enter = t_enter
+        trainer.restore(ray.train.get_checkpoint())
+        trainer.fit()
+        trainer.finish()
+    except Exception as e:
+        # Every error leaves this rank with where it happened (step, epoch, phase) and
+        # whether a restart can fix it, for the controller (elastic_ddp.events).
+        where = trainer.position.record if trainer is not None else None
+        if trainer is not None:
+            trainer.position.close()  # the error itself carries the position now
+        raise located(e, ctx.get_world_rank(), where) from e

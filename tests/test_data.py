@@ -265,19 +265,29 @@ def test_scan_missing_column(tmp_path):
 
 
 def test_scan_type_mismatch_between_files(tmp_path):
+    """Integers of different widths are widened (int32 + int64 -> int64, what the reader
+    casts to); an integer and a float column are refused, naming both files and types."""
     _ok(tmp_path / "a.parquet", ids=[0, 1])
     _write(
         tmp_path / "b.parquet",
         sample_id=pa.array([2, 3], pa.int32()),
         x=pa.array([[0.5] * 4] * 2, pa.list_(pa.float32())),
     )
-    _raises(tmp_path, "a.parquet", "b.parquet", "'sample_id'", "int32", "int64")
+    assert scan_parquet(tmp_path, X).schema.field("sample_id").type == pa.int64()
+    _write(
+        tmp_path / "c.parquet",
+        sample_id=pa.array([4.0, 5.0], pa.float64()),
+        x=pa.array([[0.5] * 4] * 2, pa.list_(pa.float32())),
+    )
+    _raises(tmp_path, "a.parquet", "c.parquet", "'sample_id'", "double", "int64")
 
 
 def test_scan_feature_type_mismatch_between_files(tmp_path):
     _ok(tmp_path / "a.parquet", ids=[0, 1])
     _ok(tmp_path / "b.parquet", ids=[2, 3], feature_type=pa.float64())
-    _raises(tmp_path, "a.parquet", "b.parquet", "'x'", "double", "float")
+    assert scan_parquet(tmp_path, X).schema.field("x").type.value_type == pa.float64()
+    _ok(tmp_path / "c.parquet", ids=[4, 5], feature_type=pa.int32())
+    _raises(tmp_path, "a.parquet", "c.parquet", "'x'", "int32", "float")
 
 
 def test_scan_id_not_integer(tmp_path):

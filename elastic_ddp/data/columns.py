@@ -39,14 +39,54 @@ def type_key(t: pa.DataType) -> tuple:
 
 
 def unify_field(a: pa.Field, b: pa.Field) -> pa.Field:
-    """The field both files can be cast to: the same type, nullable if either is.
+    """The field both files can be cast to without loss: the same type (list child names
+    ignored), nullable if either is. Numbers of different widths are widened, also inside
+    lists: integers to the wider integer that holds both (int32 + int64 -> int64, uint16 +
+    int32 -> int32; uint64 with a signed type has none), floats to the wider float.
+    Integers and floats are never mixed: ids and labels must not silently become floats.
 
     Raises:
-        TypeError: the types differ beyond list child names and nullability.
+        TypeError: the types differ otherwise.
     """
-    if type_key(a.type) != type_key(b.type):
+    t = a.type if type_key(a.type) == type_key(b.type) else widen(a.type, b.type)
+    if t is None:
         raise TypeError(f"{a.type} vs {b.type}")
-    return a.with_nullable(a.nullable or b.nullable)
+    return a.with_type(t).with_nullable(a.nullable or b.nullable)
+
+
+_SIGNED = [pa.int8(), pa.int16(), pa.int32(), pa.int64()]
+_UNSIGNED = [pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64()]
+_FLOATS = [pa.float16(), pa.float32(), pa.float64()]
+
+
+def widen(a: pa.DataType, b: pa.DataType):
+    """The narrowest type both ``a`` and ``b`` cast to without loss (see
+    :func:`unify_field`), keeping ``a``'s list kind and child name; None if there is none."""
+    if type_key(a) == type_key(b):
+        return a
+    if (pa.types.is_list(a) and pa.types.is_list(b)) or (
+            pa.types.is_large_list(a) and pa.types.is_large_list(b)):
+        inner = widen(a.value_type, b.value_type)
+        if inner is None:
+            return None
+        fld = a.value_field.with_type(inner).with_nullable(a.value_field.nullable or b.value_field.nullable)
+        return pa.list_(fld) if pa.types.is_list(a) else pa.large_list(fld)
+    if pa.types.is_fixed_size_list(a) and pa.types.is_fixed_size_list(b) and a.list_size == b.list_size:
+        inner = widen(a.value_type, b.value_type)
+        return None if inner is None else pa.list_(a.value_field.with_type(inner), a.list_size)
+    if pa.types.is_floating(a) and pa.types.is_floating(b):
+        return max(a, b, key=_FLOATS.index)
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        sa, sb = pa.types.is_signed_integer(a), pa.types.is_signed_integer(b)
+        if sa == sb:
+            order = _SIGNED if sa else _UNSIGNED
+            return max(a, b, key=order.index)
+        u, signed = (b, a) if sa else (a, b)
+        need = _SIGNED[min(3, _UNSIGNED.index(u) + 1)] if u != pa.uint64() else None
+        if need is None:
+            return None
+        return max(need, signed, key=_SIGNED.index)
+    return None
 
 
 def check_column(pf: pq.ParquetFile, f: Path, name: str, spec: Column, error) -> None:

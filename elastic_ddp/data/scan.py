@@ -5,8 +5,9 @@
 :func:`scan_parquet` lists the files (following symlinked directories, with a loop
 guard), reads every footer, checks the columns the task declares (``Column``: kind,
 length, value range and nulls from the footer statistics, list lengths from the first and
-last row group), unifies the files' schemas (the reader casts every file to it, so the
-scan and the reader see the same data), and returns the row groups the epoch order is
+last row group), unifies the files' schemas (nullability, list child names, numbers of
+different widths widened: ``columns.unify_field``; the reader casts every file to it, so
+the scan and the reader see the same data), and returns the row groups the epoch order is
 built from. It is what turns a bad path or a broken file into one clear message before
 Ray, MLflow or any worker starts.
 
@@ -115,8 +116,10 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                 except TypeError:
                     raise DataError(
                         f"{f}: column {name!r} has type {fld.type}, but {fields[name][1]} has "
-                        f"type {fields[name][0].type}; all files of a data set must share one "
-                        "type (re-write one of them with the other's type)") from None
+                        f"type {fields[name][0].type}; the files of a data set must share one "
+                        "type (numbers of different widths are widened, e.g. int32 and int64 "
+                        "to int64, but integers and floats, or these two, have no common type "
+                        "without loss): re-write one of them with the other's type") from None
             else:
                 fields[name] = (fld, f)
             check_column(pf, f, name, spec, DataError)

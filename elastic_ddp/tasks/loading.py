@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -247,7 +248,8 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
             torch.manual_seed(cfg.seed)
             model = build_model(cfg, task)
         moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tensors.items()}
-        _split_loss(task.loss(model, moved), n)
+        _, extra = _split_loss(task.loss(model, moved), n)
+        check_metric_names(task, extra)
 
     try:
         run("meta")
@@ -275,3 +277,29 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
     except Exception as e:  # noqa: BLE001
         raise TaskError(f"{type(task).__name__}.loss failed on two rows of the data: "
                         f"{type(e).__name__}: {e}") from e
+
+
+# MLflow's rule for metric names (mlflow.utils.validation.validate_param_and_metric_name and
+# path_not_unique), without importing MLflow here: alphanumerics, _ - . space : /, and a
+# name that is a plain relative path.
+_METRIC_NAME = re.compile(r"^[/\w.\- :]*$")
+
+
+def check_metric_names(task: Task, extra: dict) -> None:
+    """The per-sample metrics ``Task.loss`` returns are logged as ``train_<name>`` and
+    ``val_<name>``: refuse names MLflow would refuse (every value logged with them would
+    be dropped).
+
+    Raises:
+        TaskError: a name MLflow does not accept, naming it and the rule.
+    """
+    import posixpath
+
+    for name in extra:
+        for logged in (f"train_{name}", f"val_{name}"):
+            norm = posixpath.normpath(logged)
+            if not isinstance(name, str) or not _METRIC_NAME.match(logged) or norm != logged:
+                raise TaskError(
+                    f"{type(task).__name__}.loss returns a metric named {name!r}, which MLflow "
+                    f"refuses as {logged!r} (names may hold only letters, digits, _ - . space : /, "
+                    "and no '..' or '//'); rename it in the task")
