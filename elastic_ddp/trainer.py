@@ -360,7 +360,8 @@ class Trainer:
         if not self.should_log(p.step):
             return
         m = self.window.reduce(self.world_size, self.device)
-        m.update(step=p.step, epoch=p.epoch, world_size=self.world_size)
+        # epoch 1-based, as every line a person reads counts it (progress, logs, summary).
+        m.update(step=p.step, epoch=p.epoch + 1, world_size=self.world_size)
         self.tracker.log_metrics(m, p.step)
         self.log(f"epoch {p.epoch + 1} step {p.step}/{self.run.total_steps} loss "
                  f"{m['train_loss']:.4f} lr {m['lr']:.2e} {m['samples_per_s']:.0f} samples/s")
