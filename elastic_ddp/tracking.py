@@ -185,6 +185,12 @@ def anchor_artifacts(db: Path, exp_id: str, current: str, root: str = "mlruns") 
                     pass
     finally:
         con.close()
+    try:  # this process's clients keep each run's artifact repository (old location)
+        from mlflow.tracking._tracking_service import utils as _svc
+
+        _svc._artifact_repos_cache.clear()
+    except (ImportError, AttributeError):
+        pass
     return True
 
 
@@ -438,6 +444,15 @@ def _cell(v: Any) -> Any:
     if v is None:
         return ""
     return v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str)
+
+
+def log_image(uri: str, run_id: str, png_path: str, key: str, step: int = 0) -> None:
+    """A PNG as an MLflow image under ``key`` (``MlflowClient.log_image``): the run's
+    "Model metrics" tab shows it as an image chart, not only in the artifact tree."""
+    from PIL import Image
+
+    with Image.open(png_path) as im:
+        client(uri).log_image(run_id, im.convert("RGB"), key=key, step=step)
 
 
 def iso_time(t: float) -> str:
@@ -715,6 +730,14 @@ def start_system_metrics(uri: str, run_id: str, interval_s: float = SYSTEM_METRI
     missing or the monitor cannot start (monitoring never stops a job)."""
     import logging
 
+    try:
+        import psutil  # noqa: F401 - what MLflow's CPU, memory, disk and network monitors read
+    except ImportError:
+        return None
+    try:
+        import pynvml  # noqa: F401 - nvidia-ml-py: MLflow's GPU monitor (NVML), where a GPU is
+    except ImportError:
+        pass
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
