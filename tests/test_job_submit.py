@@ -212,7 +212,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
 
     # The epoch-end validation was logged at the checkpoint's step ('step' itself is
     # logged every log_every_steps, so its last value may be a few steps earlier).
-    val = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_metric_history(run.info.run_id, "val_acc")
+    val = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_metric_history(run.info.run_id, "val/acc")
     assert val and val[-1].step == state["step"]
     assert json.loads(run.data.tags["elastic_ddp.world_sizes_seen"]) == [2]
     assert run.data.params["data.train_path"] == str((root / "data" / "digits" / "train").resolve())
