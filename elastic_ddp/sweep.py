@@ -12,10 +12,12 @@ metric against seconds since each child's start, with the time-to-target per wor
 size), ``throughput.png`` (measured vs the linear ideal), ``scaling_efficiency.png`` and
 ``step_breakdown.png`` (stacked per-step seconds: data wait, compute, exposed all-reduce,
 optimizer, other). The plots are also logged as MLflow images (``log_image``), so the
-parent's "Model metrics" tab shows them, and its metrics are keyed by world size:
-``<metric>/ws<N>`` (e.g. ``val_acc/ws2``, ``time_to_target_s/ws2``,
-``samples_per_s/ws2``, ``scaling_efficiency/ws2``), one section per metric with one
-chart per world size, never a world size used as a step.
+parent's "Model metrics" tab shows them first (section ``plots``), and its metrics are
+keyed by world size: ``<metric>/ws<N>`` (``val_acc/ws2``, ``val_loss/ws2``,
+``time_to_target_s/ws2``, ``samples_per_s/ws2``, ``scaling_efficiency/ws2``), one
+section per metric with one chart per world size, never a world size used as a step.
+Comparing the children side by side in one chart is MLflow's own view: select them in
+the experiment's runs table, then the chart view.
 
 Time to target: the target is the worst final value of the validation metric
 (``val_acc``, higher is better, else ``val_loss``, lower is better) among the children,
@@ -313,8 +315,7 @@ def plot_quality(rows: Sequence[SweepRow], curves: dict[int, list[tuple[float, f
 
 def _parent_metrics(r: SweepRow) -> dict[str, float]:
     """A row as parent-run metrics keyed by world size: ``<metric>/ws<N>``."""
-    m = {"samples_per_s": r.samples_per_s, "scaling_efficiency": r.efficiency,
-         "step_time_s": r.step_time_s, "wall_s": r.wall_s, **r.quality}
+    m = {"samples_per_s": r.samples_per_s, "scaling_efficiency": r.efficiency, **r.quality}
     if r.time_to_target_s is not None:
         m["time_to_target_s"] = r.time_to_target_s
     return {f"{k}/ws{r.world_size}": v for k, v in m.items() if v is not None and not math.isnan(v)}
@@ -346,9 +347,15 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     tag = time.strftime("%Y%m%d-%H%M%S")
     children_cfg = {ws: child_config(cfg, ws, tag) for ws in sizes}   # validate all first
     uri = tracking.default_tracking_uri(cfg)
-    params = {k: v for k, v in tracking.job_params(cfg).items()
-              if k not in ("world_size", "scaling.min_workers", "scaling.max_workers")}
-    params["sweep.world_sizes"] = ",".join(map(str, sizes))
+    # A few params: what the sweep compares and on what. The children carry the whole
+    # config as params (and the parent has it as sweep/config.json); the MLflow UI prints
+    # a run's params above each of its image charts, where fifty would hide the plots.
+    full = tracking.job_params(cfg)
+    params = {"sweep.world_sizes": ",".join(map(str, sizes)),
+              **{k: full[k] for k in ("model.name", "task.path", "data.train_path",
+                                      "batch.global_batch_size", "batch.policy", "optim.name",
+                                      "optim.lr", "train.epochs", "train.max_steps",
+                                      "parallel.strategy") if k in full}}
     no_resume = cfg.model_copy(deep=True)
     no_resume.run.resume = False
     parent_id, _ = tracking.open_run(no_resume, f"sweep-{tag}", uri, params=params,
@@ -390,14 +397,18 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
         if target is not None:
             paths.insert(0, plot_quality(rows, curves, target[:2], d))
         (d / "sweep_table.txt").write_text(table + "\n")
+        (d / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
         (d / "sweep.json").write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
-        for p in paths + [d / "sweep_table.txt", d / "sweep.json"]:
+        for p in paths + [d / "sweep_table.txt", d / "sweep.json", d / "config.json"]:
             tracking.log_artifact(uri, parent_id, str(p), "sweep")
         tracking.log_table(uri, parent_id, [_table_row(r) for r in rows], "sweep/sweep_table.json")
-        for p in paths:  # the parent's "Model metrics" tab shows logged images
-            tracking.log_image(uri, parent_id, str(p), key=p.stem)
+        # As images, the parent's "Model metrics" tab shows the plots; under plots/ they
+        # are its first section (sections sort in ASCII order, before samples_per_s/...).
+        for p in paths:
+            tracking.log_image(uri, parent_id, str(p), key=f"plots/{p.stem}")
         artifacts = ([f"sweep/{p.name}" for p in paths] +
-                     ["sweep/sweep_table.txt", "sweep/sweep.json", "sweep/sweep_table.json"])
+                     ["sweep/sweep_table.txt", "sweep/sweep.json", "sweep/sweep_table.json",
+                      "sweep/config.json"])
     tracking.finish_run(uri, parent_id, ok=True)
     return SweepResult(parent_run_id=parent_id, tracking_uri=uri, rows=rows, table=table,
                        artifacts=artifacts, target=target[:2] if target else None)

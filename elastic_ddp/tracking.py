@@ -65,7 +65,9 @@ SYSTEM_METRICS_INTERVAL_S = 5.0
 
 # Raw metric names (as the trainer sends them) kept unprefixed: the "Model metrics"
 # section, after the train/ and val/ sections. ``step`` is the x axis, not a metric.
-_TOP_LEVEL = {"lr", "epoch", "samples_per_s", "tokens_per_s", "world_size"}
+_TOP_LEVEL = {"lr", "epoch", "samples_per_s", "tokens_per_s", "world_size",
+              # the driver's job scalars (launcher._finish)
+              "goodput", "wall_s", "startup_s", "recovery_s"}
 _DROPPED = {"step"}
 
 
@@ -73,7 +75,8 @@ def metric_key(name: str) -> Optional[str]:
     """The MLflow key of a metric the trainer reports (None: not logged).
 
     ``train_loss`` -> ``train/loss``, ``val_acc`` -> ``val/acc`` (the task's metrics);
-    ``lr``, ``epoch``, ``samples_per_s``, ``tokens_per_s``, ``world_size`` unchanged;
+    ``lr``, ``epoch``, ``samples_per_s``, ``tokens_per_s``, ``world_size`` and the
+    driver's ``goodput``, ``wall_s``, ``startup_s``, ``recovery_s`` unchanged;
     ``step`` dropped (it is every metric's step already); the per-step time breakdown
     and the rest (``step_time_s_mean``, ``allreduce_s_min``, ``peak_mem_mib_max``...)
     -> ``worker/<name>``. The MLflow 3 UI shows one chart section per ``/`` prefix, in
@@ -322,6 +325,13 @@ def git_info(path: Optional[Path] = None) -> dict[str, str]:
     return out
 
 
+def _script_name() -> str:
+    """What runs this process when it is not the CLI: the script's name, or the package of
+    a ``python -m pkg`` (``pytest``, not ``__main__.py``)."""
+    p = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+    return p.parent.name if p.name == "__main__.py" and p.parent.name else p.name
+
+
 def source_tags() -> dict[str, str]:
     """MLflow's "Created by" and "Source" tags, which ``MlflowClient.create_run`` (unlike
     ``mlflow.start_run``) does not set: ``mlflow.user``, ``mlflow.source.type`` (JOB
@@ -337,7 +347,7 @@ def source_tags() -> dict[str, str]:
         user = str(os.getuid())
     tags = {"mlflow.user": user,
             "mlflow.source.type": "JOB" if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else "LOCAL",
-            "mlflow.source.name": command_line() or Path(sys.argv[0]).name or "python",
+            "mlflow.source.name": command_line() or _script_name(),
             "elastic_ddp.version": __version__}
     g = git_info()
     if g:

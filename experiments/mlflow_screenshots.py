@@ -123,8 +123,9 @@ def capture(store: Path, out: Path, run_id: str | None = None, chromium: str | N
             shots.append(_shot(page, base + tab, out / f"{name}.png", settle_s, click))
         if is_sweep:
             shots.append(_shot(page, base + "/model-metrics", out / "sweep-parent.png", settle_s))
+            # The runs table with the parent's row expanded: its children nested under it.
             shots.append(_shot(page, f"{ui.url}/#/experiments/{exp}", out / "sweep-children.png",
-                               settle_s))
+                               settle_s, expand=True))
         browser.close()
     return shots
 
@@ -144,7 +145,8 @@ def _as_a_person_sets_it(page, url: str, settle_s: float) -> None:
             pass
 
 
-def _shot(page, url: str, path: Path, settle_s: float, click: str | None = None) -> Path:
+def _shot(page, url: str, path: Path, settle_s: float, click: str | None = None,
+          expand: bool = False) -> Path:
     # Not "networkidle": the metric pages poll the server while open.
     page.goto(url, wait_until="load", timeout=60_000)
     try:
@@ -157,6 +159,12 @@ def _shot(page, url: str, path: Path, settle_s: float, click: str | None = None)
             page.get_by_text(click, exact=True).first.click(timeout=5000)
             time.sleep(settle_s / 2)
         except Exception:  # noqa: BLE001 - not in this run: the tree as it is
+            pass
+    if expand:
+        try:
+            page.locator("[aria-label*='xpand'], [data-testid*='expand']").first.click(timeout=5000)
+            time.sleep(settle_s / 2)
+        except Exception:  # noqa: BLE001 - nothing to expand
             pass
     page.screenshot(path=str(path), full_page=True)
     print(f"{path}  <- {url}", flush=True)

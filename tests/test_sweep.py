@@ -74,8 +74,9 @@ def test_sweep_world_sizes_1_2_logs_children_and_plots(ray_cluster, digits_data,
     assert "val_acc" in result.table.splitlines()[0] and "to target" in result.table.splitlines()[0]
 
     arts = {a.path for a in client.list_artifacts(result.parent_run_id, "sweep")}
+    assert parent.data.params["sweep.world_sizes"] == "1,2" and len(parent.data.params) <= 12
     for name in ("quality.png", "throughput.png", "scaling_efficiency.png", "step_breakdown.png",
-                 "sweep_table.txt", "sweep.json", "sweep_table.json"):
+                 "sweep_table.txt", "sweep.json", "sweep_table.json", "config.json"):
         assert f"sweep/{name}" in arts, arts
     for name in ("quality.png", "throughput.png", "scaling_efficiency.png", "step_breakdown.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -88,8 +89,11 @@ def test_sweep_world_sizes_1_2_logs_children_and_plots(ray_cluster, digits_data,
     # The plots as MLflow images: the parent's "Model metrics" tab shows them.
     images = {a.path for a in client.list_artifacts(result.parent_run_id, "images")}
     assert len(images) >= 4, images
+    assert parent.data.tags.get("mlflow.loggedImages") == "True"  # what the UI's image charts read
     assert result.rows[0].efficiency == pytest.approx(1.0)
+    assert all(r.wall_s > 0 and r.peak_mem_mib_max > 50 for r in result.rows), result.rows
     assert "samples/s" in result.table.splitlines()[0]
+    assert not [ln for ln in result.table.splitlines()[1:3] if ln.rstrip().endswith("nan")]  # wall s
 
 
 def test_sweep_refuses_a_world_size_the_batch_cannot_carry(digits_data, tmp_path):

@@ -23,6 +23,7 @@ def test_metric_keys_sort_quality_first_in_the_ui():
     assert k("train_loss") == "train/loss" and k("val_acc") == "val/acc" and k("val_bpb") == "val/bpb"
     assert k("step") is None
     assert k("lr") == "lr" and k("epoch") == "epoch" and k("samples_per_s") == "samples_per_s"
+    assert k("wall_s") == "wall_s" and k("goodput") == "goodput"  # what sweep reads back
     assert k("step_time_s_mean") == "worker/step_time_s_mean"
     assert k("allreduce_busbw_GBps") == "worker/allreduce_busbw_GBps"
     assert k("system/cpu_utilization_percentage") == "system/cpu_utilization_percentage"
