@@ -343,7 +343,7 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         if startup:
             started = tracking.iso_time(marks.get("process_start", t0))
             tracking.log_table(uri, run_id, [
-                {"submission_started": started, "phase": k.removesuffix("_s"), "seconds": v}
+                {"phase": k.removesuffix("_s"), "seconds": v, "submission_started": started}
                 for k, v in startup.items()], "startup.json")
         metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
         summary = Summary(
