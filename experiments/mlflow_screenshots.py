@@ -5,7 +5,8 @@
 
 Starts ``mlflow ui`` on 127.0.0.1 (a free port) against the sqlite store, opens the
 run's pages in a headless Chromium and writes one PNG per page into ``--out``:
-``overview.png``, ``model-metrics.png``, ``system-metrics.png``, ``artifacts.png``, and
+``overview.png``, ``model-metrics.png`` (and ``model-metrics-sections.json``: its chart
+sections top to bottom), ``system-metrics.png``, ``artifacts.png``, and
 for a sweep parent run (tag ``elastic_ddp.sweep``) also ``sweep-parent.png`` and
 ``sweep-children.png`` (the experiment's runs table, children nested).
 
@@ -18,6 +19,7 @@ own browser download is not used. ``--chromium`` names the browser binary (defau
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -121,6 +123,9 @@ def capture(store: Path, out: Path, run_id: str | None = None, chromium: str | N
         for name, tab in pages.items():
             click = artifact if name == "artifacts" else None
             shots.append(_shot(page, base + tab, out / f"{name}.png", settle_s, click))
+            if name == "model-metrics":
+                # The charts tab's sections, top to bottom, beside the picture of it.
+                (out / "model-metrics-sections.json").write_text(json.dumps(_sections(page)))
         if is_sweep:
             shots.append(_shot(page, base + "/model-metrics", out / "sweep-parent.png", settle_s))
             # The runs table with the parent's row expanded: its children nested under it.
@@ -169,6 +174,32 @@ def _shot(page, url: str, path: Path, settle_s: float, click: str | None = None,
     page.screenshot(path=str(path), full_page=True)
     print(f"{path}  <- {url}", flush=True)
     return path
+
+
+def _sections(page, timeout_s: float = 30.0) -> list[str]:
+    # Charts load after the page: wait for the last section ("Model metrics") to show.
+    deadline, found = time.time() + timeout_s, []
+    while time.time() < deadline:
+        found = chart_sections(page)
+        if "Model metrics" in found:
+            break
+        time.sleep(0.5)
+    return found
+
+
+def chart_sections(page) -> list[str]:
+    """The section titles of a metrics tab, top to bottom (``"train"``, ``"val"``, ...,
+    ``"Model metrics"``), as the UI shows them: each title is followed by its chart
+    count, e.g. ``"train (2)"``."""
+    import re
+
+    texts = page.locator("h3, h4, [role=button]").all_inner_texts()
+    out = []
+    for t in texts:
+        m = re.match(r"^\s*(.+?)\s*\n?\s*\((\d+)\)", t)
+        if m and "Add chart" in t:
+            out.append(m.group(1).strip())
+    return out
 
 
 def _newest_run(client):
