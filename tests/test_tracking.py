@@ -160,3 +160,15 @@ def test_a_moved_store_keeps_its_artifacts(tmp_path):
     tracking.log_text(uri_b, run_id, "again", "notes/again.txt")
     assert (b / "mlruns" / exp.experiment_id / run_id / "artifacts/notes/again.txt").exists()
     assert not a.exists()  # nothing recreated the old folder
+
+
+def test_restart_event_rows_carry_times_as_text():
+    from elastic_ddp.launcher import _event_row
+
+    ev = {"index": 0, "type": "failure", "t": 1_796_000_000.5, "cause": "step 9: boom",
+          "world_size_before": 2, "world_size_after": 1, "resumed_at_step": 8,
+          "recovery_s": 12.3, "steps_recomputed": 1, "failed_ranks": [1]}
+    row = _event_row(ev)
+    assert "t" not in row and row["time"].startswith("2026-") and "T" in row["time"]
+    assert row["recovery_s"] == 12.3 and row["failed_ranks"] == [1]
+    assert list(row)[:4] == ["index", "type", "time", "cause"]
