@@ -347,15 +347,13 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     tag = time.strftime("%Y%m%d-%H%M%S")
     children_cfg = {ws: child_config(cfg, ws, tag) for ws in sizes}   # validate all first
     uri = tracking.default_tracking_uri(cfg)
-    # A few params: what the sweep compares and on what. The children carry the whole
+    # Few params: what the sweep compares and on what. The children carry the whole
     # config as params (and the parent has it as sweep/config.json); the MLflow UI prints
     # a run's params above each of its image charts, where fifty would hide the plots.
-    full = tracking.job_params(cfg)
+    # Three, one line above each plot: what varies, the task, the global batch.
     params = {"sweep.world_sizes": ",".join(map(str, sizes)),
-              **{k: full[k] for k in ("model.name", "task.path", "data.train_path",
-                                      "batch.global_batch_size", "batch.policy", "optim.name",
-                                      "optim.lr", "train.epochs", "train.max_steps",
-                                      "parallel.strategy") if k in full}}
+              "task": cfg.task.path or cfg.model.name,
+              "batch.global_batch_size": str(cfg.batch.global_batch_size)}
     no_resume = cfg.model_copy(deep=True)
     no_resume.run.resume = False
     parent_id, _ = tracking.open_run(no_resume, f"sweep-{tag}", uri, params=params,
