@@ -187,7 +187,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
     root = _checkout(tmp_path / E2E_CHECKOUT / "repo", digits_data)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    sets = ["--set", "model.hidden=32", "--set", "train.epochs=1", "--set", "train.log_every_steps=5",
+    sets = ["--set", "model.kwargs.hidden=32", "--set", "train.epochs=1", "--set", "train.log_every_steps=5",
             "--set", "run.name=submit-e2e", "--set", "run.experiment_name=tests"]
     t0 = time.time()
     out = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit",
@@ -242,7 +242,7 @@ def test_documented_ray_job_submit_line_trains(cluster, digits_data, tmp_path):
     assert " ".join(cmd.split()) in " ".join(readme.split()), "cluster/README.md shows another line"
     assert "--address http://127.0.0.1:8265" in cmd
     cmd = cmd.replace("http://127.0.0.1:8265", cluster.dashboard_url)
-    cmd += " --set train.epochs=1 --set model.hidden=16 --set run.name=documented-line"
+    cmd += " --set train.epochs=1 --set model.kwargs.hidden=16 --set run.name=documented-line"
     root = _checkout(tmp_path / "repo", digits_data)
     env = _env(cluster)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # this venv's `ray`
