@@ -12,12 +12,15 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup train test test-fast test-all clean
 
+# Quiet (-qq: errors only, no build-backend chatter): `make train` on a fresh clone
+# prints one set-up line, then the job.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -e ".[dev,examples]"
-	touch $(STAMP)
+	@echo "setting up $(VENV): pip, $(or $(TORCH_SPEC),the existing torch), elastic-ddp with the dev and examples extras"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -qq "$(TORCH_SPEC)"; fi
+	@$(PY) -m pip install -qq -e ".[dev,examples]"
+	@touch $(STAMP)
 
 setup: $(STAMP)
 

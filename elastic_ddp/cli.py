@@ -34,6 +34,9 @@ read as YAML scalars (64 is an int; quote for a string: '64'). Unknown keys are 
 """
 
 _CONFIG_EPILOG = EXIT_CODES + "\n" + SET_RULES
+_RAY_LOGS_HELP = ("also print Ray's and MLflow's own log lines and the workers' output "
+                  "(default: they go to Ray's session logs, /tmp/ray/session_latest/logs/; "
+                  "same as ELASTIC_DDP_RAY_LOGS=1)")
 _SET_HELP = ("override a config field, repeatable; the value is typed by the field "
              "(see below), e.g. --set {example}")
 
@@ -69,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="pycode: context length in bytes; windows hold block_size+1 (default 128)")
     pr.add_argument("--max-bytes", type=int, default=None,
                     help="pycode: cap the corpus at this many bytes (default: all, ~30 MB)")
+    pr.add_argument("--json", action="store_true",
+                    help="print what was written (files, rows) as JSON instead of one line")
 
     tr = sub.add_parser("train", help="run a training job",
                         description="Run a training job on a local Ray cluster (or the one\n"
@@ -81,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--verbose", action="store_true",
                     help="print every config field (default: only those that differ from "
                          "the defaults)")
+    tr.add_argument("--ray-logs", action="store_true", help=_RAY_LOGS_HELP)
 
     pl = sub.add_parser("plan", help="valid world sizes for a config",
                         description="The world sizes in [min_workers, max_workers] the batch\n"
@@ -113,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--verbose", action="store_true",
                     help="print every config field (default: only those that differ from "
                          "the defaults)")
+    sw.add_argument("--ray-logs", action="store_true", help=_RAY_LOGS_HELP)
     return p
 
 
@@ -126,6 +133,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.cmd == "submit":
             return _submit(args)
         cfg = Config.load(args.config, args.overrides)
+        if args.cmd in ("train", "sweep"):
+            _route_library_logs(args.ray_logs)
         if args.cmd == "plan":
             return _plan(cfg)
         if args.cmd == "sweep":
@@ -148,6 +157,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)
             return 2
         raise
+
+
+def _route_library_logs(ray_logs: bool) -> None:
+    """The console shows the job, not the libraries' internals: MLflow's INFO lines
+    ("Creating initial MLflow database tables...") only with ``--ray-logs``, which also
+    brings Ray's own lines and the workers' output back (``ELASTIC_DDP_RAY_LOGS``, read
+    by the launcher); warnings and errors always show."""
+    import logging
+    import os
+
+    from elastic_ddp.local_ray import RAY_LOGS_ENV
+
+    if ray_logs:
+        os.environ[RAY_LOGS_ENV] = "1"
+    level = "INFO" if os.environ.get(RAY_LOGS_ENV) else "WARNING"
+    # MLflow sets its logger's level when it is imported (later): from this variable.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", level)
+    logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())
 
 
 def _ray_job_hint(args) -> str:
@@ -184,7 +211,15 @@ def _prepare(args) -> int:
         if args.num_files:
             kw["num_files"] = args.num_files
         out = prepare_pycode(args.out_dir, **kw)
-    print(json.dumps({k: v for k, v in out.items()}, indent=1, default=str))
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items()}, indent=1, default=str))
+        return 0
+    parts = []
+    for split in ("train", "val"):
+        if isinstance(out.get(split), dict):
+            n = len(out[split]["files"])
+            parts.append(f"{split} {out[split]['num_rows']} rows in {n} file{'s' * (n != 1)}")
+    print(f"elastic-ddp prepare {args.dataset}: {', '.join(parts)} -> {out.get('out_dir', args.out_dir)}")
     return 0
 
 

@@ -73,23 +73,37 @@ def check_ray_address() -> None:
 
 
 def _init_ray(cfg: Config) -> None:
+    """Connect to Ray: the cluster ``RAY_ADDRESS`` names, else a private local one.
+
+    Ray's own log lines stay off the console (``local_ray.RayDriverLog``: the driver's
+    into the session's ``logs/elastic-ddp-driver.log``; the workers', the controller's
+    and Ray Data's stay in their files there, ``log_to_driver=False``) unless
+    ``ELASTIC_DDP_RAY_LOGS=1`` (``elastic-ddp train --ray-logs``)."""
     import ray
+
+    from elastic_ddp.local_ray import RayDriverLog, init_local_ray, ray_logs_on_console
 
     if ray.is_initialized():
         return
+    verbose = ray_logs_on_console()
+    routing = None if verbose else RayDriverLog()
+    if routing is not None:
+        routing.start()
+    # configure_logging=False: ray.init would put its console handler back.
+    log_kw = ({"configure_logging": True, "logging_level": "INFO", "log_to_driver": True}
+              if verbose else {"configure_logging": False, "log_to_driver": False})
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=False)
-        return
-    # A laptop/CI run: a local cluster with enough logical CPUs for max_workers plus
-    # Ray Data's read and transform tasks; the workers set their own torch thread counts.
-    # address="local": without it ray.init auto-attaches to any Ray instance running on
-    # this machine (another user's `ray start`) and then refuses num_cpus.
-    # Every listener on 127.0.0.1 (elastic_ddp.local_ray).
-    from elastic_ddp.local_ray import init_local_ray
-
-    need = int(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 2
-    init_local_ray(num_cpus=max(need, os.cpu_count() or 1), configure_logging=True,
-                   logging_level="WARNING", log_to_driver=False)
+        ray.init(**log_kw)
+    else:
+        # A laptop/CI run: a local cluster with enough logical CPUs for max_workers plus
+        # Ray Data's read and transform tasks; the workers set their own torch thread
+        # counts. address="local": without it ray.init auto-attaches to any Ray instance
+        # running on this machine (another user's `ray start`) and then refuses num_cpus.
+        # Every listener on 127.0.0.1 (elastic_ddp.local_ray).
+        need = int(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 2
+        init_local_ray(num_cpus=max(need, os.cpu_count() or 1), **log_kw)
+    if routing is not None:
+        routing.attach()
 
 
 class _Background:
@@ -123,12 +137,15 @@ class _Background:
         return self._out[0]
 
 
-def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[str]):
+def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[str],
+                  task=None, train_info=None, val_info=None):
     """What the driver needs besides Ray, run while ``ray.init`` waits for its processes:
-    the job's MLflow run (opened or reopened), the Ray run name, and Ray Train imported.
-    Returns (run_id, resumed, cfg)."""
+    the job's MLflow run (opened or reopened, with its data sets and model size), the Ray
+    run name, and Ray Train imported. Returns (run_id, resumed, cfg)."""
     run_id, resumed = tracking.open_run(cfg, storage, uri, parent_run_id=parent_run_id)
     try:
+        if train_info is not None:
+            tracking.log_job_inputs(uri, run_id, cfg, task, train_info, val_info, resumed)
         cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
         import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
     except BaseException as e:
@@ -302,7 +319,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     # ray.init mostly waits for its GCS and raylet processes to come up; the driver's own
     # set-up runs beside it in a thread (opening the MLflow run, importing Ray Train and
     # torch). Errors in the thread are re-raised here, after ray.init.
-    side = _Background(_driver_setup, cfg, storage, uri, parent_run_id)
+    side = _Background(_driver_setup, cfg, storage, uri, parent_run_id, task, train_info, val_info)
     try:
         _init_ray(cfg)
         marks["ray_ready"] = time.time()
@@ -339,8 +356,8 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
                 result = trainer.fit()
         else:
             result = trainer.fit()
-        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, train_info.num_rows,
-                       storage)
+        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, task, sample,
+                       train_info.num_rows, storage)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.failures import describe_training_error
 
@@ -362,7 +379,7 @@ def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str) -> None
 
     if tracker is not None:
         try:
-            ray.get(tracker.flush.remote(30), timeout=40)
+            ray.get(tracker.close.remote(30), timeout=40)
         except Exception:  # noqa: BLE001 - closing the run matters more than the last metrics
             pass
     try:
@@ -404,12 +421,14 @@ def _run_dir_exists(storage: str, name: str) -> bool:
 
 
 def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
-            ledger_dir: Optional[str], marks: dict, n_train: int = 1, storage: str = "") -> Summary:
+            ledger_dir: Optional[str], marks: dict, task=None, sample=None, n_train: int = 1,
+            storage: str = "") -> Summary:
     import ray
 
     from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
 
-    ray.get(tracker.flush.remote(60), timeout=90)
+    # close: the system-metrics monitor stops and writes its last samples, then a flush.
+    ray.get(tracker.close.remote(60), timeout=90)
     snap = ray.get(tracker.snapshot.remote())
     run = tracking.run_info(uri, run_id)
     # The job's wall time runs from its MLflow run's first start: a resubmitted job's
@@ -427,6 +446,7 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     startup = startup_breakdown(snap, marks)
     state: dict = {}
     ckpt = result.checkpoint
+    model_id = None
     # A newer complete one in storage: written by a partial per-step quorum, or persisted
     # by a worker just before the controller stopped polling.
     newer = newest_complete(storage, cfg.run.name, checkpoint_step(ckpt.path) if ckpt else -1) \
@@ -442,12 +462,24 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     progress = state.get("progress", {})
     gp = goodput(counters.get("committed_train_s", 0.0), wall)
     step = int(progress.get("step", 0))
+    if state.get("model") is not None and task is not None:
+        model_id = _log_mlflow_model(cfg, uri, run_id, task, state["model"], sample, step)
+    # One value each, at the last step: scalars of the whole job (the UI's "Model
+    # metrics" section); the start-up phases are a table, not eleven one-bar charts.
     tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
-                                       **{f"startup/{k}": v for k, v in startup.items()},
-                                       **{f"recovery_s/{i}": e["recovery_s"] for i, e in enumerate(events)
-                                          if "recovery_s" in e}}, step)
+                                       **({"startup_s": startup["total_s"]} if startup else {})},
+                         step)
+    for ev in events:  # at the step training resumed from: on the loss curve's axis
+        if "recovery_s" in ev:
+            tracking.log_metrics(uri, run_id, {"recovery_s": ev["recovery_s"]},
+                                 ev.get("resumed_at_step", 0))
     if events:
-        tracking.log_text(uri, run_id, json.dumps(events, indent=1), "events/recovery.json")
+        tracking.log_table(uri, run_id, [_event_row(e) for e in events], "events/recovery.json")
+    if startup:
+        started = tracking.iso_time(marks.get("process_start", t0))
+        tracking.log_table(uri, run_id, [
+            {"phase": k.removesuffix("_s"), "seconds": v, "submission_started": started}
+            for k, v in startup.items()], "startup.json")
     metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
     summary = Summary(
         run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
@@ -458,10 +490,74 @@ def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
         skipped_steps=int(counters.get("skipped_steps", 0)),
         epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
-        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")})
+        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")},
+        model_id=model_id)
     tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     tracking.finish_run(uri, run_id, ok=True)
     return summary
+
+
+def _event_row(ev: dict) -> dict:
+    """A restart event as a table row: its time as ISO text (never a number of seconds
+    since the epoch), the cause, the world sizes, recovery and recomputed steps."""
+    row = {"index": ev.get("index"), "type": ev.get("type"), "time": tracking.iso_time(ev["t"]),
+           "cause": ev.get("cause", ""), "world_size_before": ev.get("world_size_before"),
+           "world_size_after": ev.get("world_size_after"),
+           "resumed_at_step": ev.get("resumed_at_step"), "recovery_s": ev.get("recovery_s"),
+           "steps_recomputed": ev.get("steps_recomputed")}
+    row.update({k: v for k, v in ev.items() if k not in row and k != "t"})
+    return row
+
+
+def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, sample,
+                      step: int) -> Optional[str]:
+    """Rebuild the job's model from its task, load rank 0's final weights and log it as
+    an MLflow PyTorch model; its signature comes from one forward call on the val sample
+    row. A model that cannot be rebuilt or pickled is reported and skipped (the plain
+    ``model/state.pt`` is there either way)."""
+    import sys
+
+    import torch
+
+    from elastic_ddp.tasks.loading import build_model
+
+    try:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, task)
+        model.load_state_dict(weights)
+        model.eval()
+        example = _forward_example(model, task, sample)
+        return tracking.log_model(uri, run_id, model, example, step)
+    except Exception as e:  # noqa: BLE001 - the run's other records matter more
+        print(f"elastic-ddp: warning: the final model was not logged as an MLflow model "
+              f"({type(e).__name__}: {str(e)[:300]}); model/state.pt holds its weights",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _forward_example(model, task, sample) -> Optional[tuple]:
+    """(input, output) of the model's forward on one sample row, seen through a forward
+    hook while the task evaluates it (the task decides how a batch reaches the model);
+    None unless both are single tensors."""
+    import torch
+
+    if not sample or "val" not in sample:
+        return None
+    seen: list = []
+    handle = model.register_forward_hook(lambda m, args, out: seen.append((args, out)))
+    try:
+        with torch.no_grad():
+            task.evaluate(model, task.collate(sample["val"]))
+    except Exception:  # noqa: BLE001 - no signature then
+        return None
+    finally:
+        handle.remove()
+    if not seen:
+        return None
+    args, out = seen[0]
+    if len(args) == 1 and torch.is_tensor(args[0]) and torch.is_tensor(out):
+        return args[0], out
+    return None
 
 
 def process_start_time() -> Optional[float]:

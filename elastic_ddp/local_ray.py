@@ -19,11 +19,16 @@ macOS and Windows); otherwise it swaps in the host's address. Here:
 * ``check_private_dir`` / ``write_token``: the cluster directory and token file no other
   user can read or plant;
 * ``listeners_outside_loopback``: TCP listeners of given processes outside 127.0.0.0/8
-  and ::1, from ``/proc`` (Linux).
+  and ::1, from ``/proc`` (Linux);
+* ``RayDriverLog``: Ray's own driver-side log lines (e.g. its token-authentication
+  warning) into the Ray session's log folder instead of the console, unless
+  ``ELASTIC_DDP_RAY_LOGS=1`` (``elastic-ddp train --ray-logs``).
 """
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import secrets
 import socket
@@ -87,6 +92,74 @@ def init_local_ray(num_cpus: int, **kw: Any) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# --------------------------------------------------------------------------- Ray's log lines
+RAY_LOGS_ENV = "ELASTIC_DDP_RAY_LOGS"
+DRIVER_LOG = "elastic-ddp-driver.log"
+
+
+def ray_logs_on_console() -> bool:
+    """True when Ray's own log lines should reach the console: ``ELASTIC_DDP_RAY_LOGS``
+    set to 1/true/yes (``elastic-ddp train --ray-logs`` sets it)."""
+    return os.environ.get(RAY_LOGS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class RayDriverLog:
+    """Ray's driver-side log records (the ``ray`` logger and its children: Ray's start,
+    its token-authentication warning, Ray Train's driver messages) kept off the console.
+
+    ``start()`` before ``ray.init``: the ``ray`` logger's console handler is replaced by
+    a buffer. ``attach()`` after it: the buffer goes to ``<session>/logs/``
+    :data:`DRIVER_LOG` (beside Ray's own logs, where the workers' and the controller's
+    output already goes with ``log_to_driver=False``), and later records follow.
+    Returns that file's path. Errors (level ERROR and above) still reach stderr: they are
+    what a person must see."""
+
+    def __init__(self):
+        self._buffer = logging.handlers.MemoryHandler(capacity=1_000_000,
+                                                      flushLevel=logging.CRITICAL + 10)
+        self._errors = logging.StreamHandler()
+        self._errors.setLevel(logging.ERROR)
+        self._errors.setFormatter(logging.Formatter("ray: %(levelname)s %(message)s"))
+        self.path: Optional[Path] = None
+
+    def start(self) -> None:
+        ray_logger = logging.getLogger("ray")
+        ray_logger.handlers = [self._buffer, self._errors]
+        ray_logger.propagate = False
+        ray_logger.setLevel(logging.INFO)
+        # ray.init(configure_logging=False) clears the "ray" logger's handlers (and with
+        # none left, Python prints WARNING records on stderr itself): what ray.init
+        # logs (ray._private.*, e.g. the token-authentication warning) stops one level
+        # below it until attach().
+        inner = logging.getLogger("ray._private")
+        inner.handlers = [self._buffer, self._errors]
+        inner.propagate = False
+
+    def attach(self) -> Optional[Path]:
+        import tempfile
+
+        try:
+            import ray
+
+            logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+        except Exception:  # noqa: BLE001 - not a node of its own (client mode)
+            logs = Path(tempfile.gettempdir())
+        self.path = logs / DRIVER_LOG
+        try:
+            handler: logging.Handler = logging.FileHandler(self.path)
+        except OSError:
+            handler, self.path = logging.NullHandler(), None
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)d -- %(message)s"))
+        self._buffer.setTarget(handler)
+        self._buffer.flush()
+        logging.getLogger("ray").handlers = [handler, self._errors]
+        inner = logging.getLogger("ray._private")
+        inner.handlers = []
+        inner.propagate = True
+        return self.path
 
 
 # --------------------------------------------------------------------------- ray start

@@ -27,6 +27,7 @@ class Summary:
         events: restart events with ``recovery_s``, ``resumed_at_step``, ``steps_recomputed``.
         startup: command-to-first-step phases in seconds (:func:`startup_breakdown`).
         tracking: metrics delayed or dropped while the store was unavailable.
+        model_id: the MLflow logged model of the final weights (``models:/<id>``), or None.
     """
 
     run_id: str
@@ -46,6 +47,7 @@ class Summary:
     skipped_steps: int = 0
     tracking: dict[str, Any] = field(default_factory=dict)
     epochs_done: float = 0.0  # epochs + the finished share of the last one (max_steps)
+    model_id: Optional[str] = None
 
 
 def goodput(committed_train_s: float, wall_s: float) -> float:
@@ -204,7 +206,8 @@ class ProgressDisplay:
                 step = int(m.get("step", 0))
                 if step == 0:
                     continue  # nothing trained yet: no line of nan and zeros
-                desc = (f"epoch {int(m.get('epoch', 0)) + 1} step {step}/{self.total} loss "
+                # epoch: the 1-based epoch the step is in, as the trainer logs it.
+                desc = (f"epoch {int(m.get('epoch', 0))} step {step}/{self.total} loss "
                         f"{m.get('train_loss', float('nan')):.4f} {m.get('samples_per_s', 0):.0f} "
                         f"samples/s world_size {int(m.get('world_size', 0))}")
                 if bar is not None:

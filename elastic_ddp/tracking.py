@@ -12,17 +12,45 @@ resubmissions. Every MLflow call of the package is in this module.
 - Tracking never fails training: the actor buffers metrics and retries a store that is
   down or locked (e.g. sqlite ``database is locked``) with back-off; what is delayed or
   dropped is counted and reported in the summary.
+
+What a run holds (so that the MLflow 3 UI reads like a published run):
+
+- Metrics, named for the UI's chart sections (:func:`metric_key`): ``train/<m>`` and
+  ``val/<m>`` first (the UI lists sections with a ``/`` prefix in ASCII order, and the
+  unprefixed "Model metrics" section last), then ``worker/*`` (per-step time
+  breakdown, memory, all-reduce), then the unprefixed ``lr``, ``epoch``,
+  ``samples_per_s``, ``world_size``, ``goodput``, ``wall_s``, ``startup_s`` and
+  ``recovery_s`` (at the step training resumed at). MLflow's own ``system/*`` metrics
+  (CPU, memory, disk, network, GPU when present) come from a ``SystemMetricsMonitor``
+  in the tracker actor, for the job's lifetime. No timestamps among metrics: times are
+  tags or table artifacts.
+- Params: the config fields the job uses (:func:`job_params`: no nulls, no PowerSGD
+  fields without ``comm_hook=powersgd``, ...), plus ``world_size``, the task and the
+  model's parameter count.
+- Tags: MLflow's source and user tags (``mlflow.source.name/type``,
+  ``mlflow.source.git.commit`` in a git checkout, ``mlflow.user``), the package
+  version, a description (``mlflow.note.content``).
+- The training and validation sets as dataset inputs (source = the Parquet path,
+  digest = the scan's fingerprint, profile = rows/files/row groups).
+- The final model as an MLflow model (``mlflow.pytorch.load_model``-able) and its plain
+  ``model/state.pt``; tables (``mlflow.log_table`` JSON) of restart events and the
+  start-up profile.
 """
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import os
+import shlex
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 from elastic_ddp.config import Config, ConfigError
 
@@ -82,6 +110,39 @@ def retrying(fn, *args, budget_s: Optional[float] = None, what: str = "", **kwar
             time.sleep(delay)
             delay = min(10.0, delay * 2)
 
+ARTIFACT_ROOT_TAG = "elastic_ddp.artifact_root"
+# MLflow system metrics: seconds between samples (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+# overrides). 5 s: a dozen points on the minute-long digits job, 720 an hour.
+SYSTEM_METRICS_INTERVAL_S = 5.0
+
+# Raw metric names (as the trainer sends them) kept unprefixed: the "Model metrics"
+# section, after the train/ and val/ sections. ``step`` is the x axis, not a metric.
+_TOP_LEVEL = {"lr", "epoch", "samples_per_s", "tokens_per_s", "world_size",
+              # the driver's job scalars (launcher._finish)
+              "goodput", "wall_s", "startup_s", "recovery_s"}
+_DROPPED = {"step"}
+
+
+def metric_key(name: str) -> Optional[str]:
+    """The MLflow key of a metric the trainer reports (None: not logged).
+
+    ``train_loss`` -> ``train/loss``, ``val_acc`` -> ``val/acc`` (the task's metrics);
+    ``lr``, ``epoch``, ``samples_per_s``, ``tokens_per_s``, ``world_size`` and the
+    driver's ``goodput``, ``wall_s``, ``startup_s``, ``recovery_s`` unchanged;
+    ``step`` dropped (it is every metric's step already); the per-step time breakdown
+    and the rest (``step_time_s_mean``, ``allreduce_s_min``, ``peak_mem_mib_max``...)
+    -> ``worker/<name>``. The MLflow 3 UI shows one chart section per ``/`` prefix, in
+    ASCII order, so train/ and val/ sort before worker/; a name that already has a
+    ``/`` is kept."""
+    if name in _DROPPED:
+        return None
+    if "/" in name or name in _TOP_LEVEL:
+        return name
+    for raw, section in (("train_", "train/"), ("val_", "val/")):
+        if name.startswith(raw):
+            return section + name[len(raw):]
+    return "worker/" + name
+
 
 def default_tracking_uri(cfg: Optional[Config] = None) -> str:
     """The MLflow tracking URI: the config's, else $MLFLOW_TRACKING_URI, else a sqlite
@@ -108,12 +169,39 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def _display_rank(key: str) -> int:
+    """Where a metric sorts in a write: train/, val/, unprefixed, the rest (worker/)."""
+    return (0 if key.startswith("train/") else 1 if key.startswith("val/")
+            else 2 if "/" not in key else 3)
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a local ``sqlite:///`` URI (None for any other store)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    from urllib.parse import unquote
+
+    return Path(unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
+
+
 def experiment_id(uri: str, name: str) -> str:
     """The id of experiment ``name``, created when missing.
 
     Raises:
         TrackingSetupError: the experiment exists but is deleted (MLflow keeps its name
             and refuses new runs in it).
+
+    In a local sqlite store the experiment's artifacts go to ``mlruns/<id>`` beside the
+    database file (not the working directory's ``mlruns``), and the experiment is tagged
+    with that relative root (``elastic_ddp.artifact_root``). MLflow itself can only store
+    absolute artifact locations for a local store: ``create_experiment`` resolves a
+    relative one against the *process's* working directory (``resolve_uri_if_local``),
+    and every reader (the Ray tracker actor, ``mlflow ui``, a notebook) would resolve it
+    against its own; ``mlflow-artifacts:`` URIs, the relocatable kind, need a tracking
+    server. So the location is kept absolute and re-anchored instead: when the store has
+    been moved or copied together with its ``mlruns/``, :func:`anchor_artifacts` points
+    the experiment, its runs and its logged models at the new ``mlruns/`` the next time
+    a job opens the store.
     """
     c = client(uri)
     exp = retrying(c.get_experiment_by_name, name, what="get experiment")
@@ -124,7 +212,54 @@ def experiment_id(uri: str, name: str) -> str:
             f"experiment (its name stays taken until `mlflow gc` purges it). Restore it: "
             f"MLFLOW_TRACKING_URI='{uri}' mlflow experiments restore --experiment-id "
             f"{exp.experiment_id}; or set run.experiment_name to another name")
-    return exp.experiment_id if exp else retrying(c.create_experiment, name, what="create experiment")
+    db = sqlite_path(uri)
+    if exp is None:
+        if db is None:
+            return retrying(c.create_experiment, name, what="create experiment")
+        exp_id = retrying(c.create_experiment, name, tags={ARTIFACT_ROOT_TAG: "mlruns"},
+                          what="create experiment")
+        anchor_artifacts(db, exp_id, c.get_experiment(exp_id).artifact_location)
+        return exp_id
+    if db is not None and exp.tags.get(ARTIFACT_ROOT_TAG):
+        anchor_artifacts(db, exp.experiment_id, exp.artifact_location, exp.tags[ARTIFACT_ROOT_TAG])
+    return exp.experiment_id
+
+
+def anchor_artifacts(db: Path, exp_id: str, current: str, root: str = "mlruns") -> bool:
+    """Point experiment ``exp_id`` of the sqlite store ``db`` (and its runs' and logged
+    models' artifact locations) at ``<db's folder>/<root>/<exp_id>`` when it points
+    elsewhere (the store was moved or copied with its ``mlruns/``, or the experiment was
+    just created with MLflow's working-directory default). Returns True when it changed
+    anything. MLflow has no API to change an experiment's artifact location, hence the
+    three UPDATEs of the tables MLflow's own ORM maps (``experiments``, ``runs``,
+    ``logged_models``), in one transaction."""
+    import sqlite3
+
+    want = str(db.resolve().parent / root / str(exp_id))
+    old = current[len("file://"):] if current.startswith("file://") else current
+    if old.rstrip("/") == want:
+        return False
+    con = sqlite3.connect(str(db), timeout=30)
+    try:
+        with con:
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?",
+                        (want, int(exp_id)))
+            for table, col in (("runs", "artifact_uri"), ("logged_models", "artifact_location")):
+                try:
+                    con.execute(f"UPDATE {table} SET {col} = ? || substr({col}, ?) "
+                                f"WHERE experiment_id = ? AND substr({col}, 1, ?) = ?",
+                                (want, len(current) + 1, int(exp_id), len(current), current))
+                except sqlite3.OperationalError:  # an older schema without the table
+                    pass
+    finally:
+        con.close()
+    try:  # this process's clients keep each run's artifact repository (old location)
+        from mlflow.tracking._tracking_service import utils as _svc
+
+        _svc._artifact_repos_cache.clear()
+    except (ImportError, AttributeError):
+        pass
+    return True
 
 
 def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[str] = None,
@@ -133,7 +268,8 @@ def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[s
     """Create the job's MLflow run, or reopen the unfinished one with the same run key.
 
     ``parent_run_id`` makes a new run a child of that run (MLflow's ``mlflow.parentRunId``
-    tag; the UI nests it). ``params`` default to the config's flattened fields.
+    tag; the UI nests it). ``params`` default to :func:`job_params`. A new run gets
+    :func:`source_tags` (user, source, git commit) and a description.
 
     Returns:
         (run_id, resumed): resumed is True when an earlier submission's run was reopened.
@@ -147,20 +283,155 @@ def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[s
         if runs and runs[0].info.status != "FINISHED":
             retrying(c.update_run, runs[0].info.run_id, status="RUNNING", what="reopen run")
             return runs[0].info.run_id, True
-    all_tags = {RUN_KEY_TAG: key, STATE_TAG: "running", **(tags or {})}
+    all_tags = {**source_tags(), "mlflow.note.content": describe(cfg), RUN_KEY_TAG: key,
+                STATE_TAG: "running", **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     run = retrying(c.create_run, exp_id, run_name=run_name or cfg.run.name, tags=all_tags,
                    what="create run")
-    log_params(uri, run.info.run_id, cfg.to_flat_dict() if params is None else params)
+    log_params(uri, run.info.run_id, job_params(cfg) if params is None else params)
     return run.info.run_id, False
 
 
+def param_text(value: Any) -> str:
+    """A param value as text: strings as they are, anything else as JSON (``true``,
+    ``[1, 8, 8]``, ``0.01``), the way ``--set`` takes it back."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def job_params(cfg: Config) -> dict[str, str]:
+    """The config fields this job uses, as MLflow params (dotted keys, :func:`param_text`
+    values). Left out: unset (null) fields; settings of a mode the job does not run
+    (PowerSGD fields without ``comm_hook=powersgd``, DDP knobs under fsdp, FSDP's under
+    ddp/zero1, ``lr_scaling`` without ``policy=scale_lr``, the windowed order's knobs
+    under ``permutation``, ``momentum`` for adamw/lamb, ``betas`` for sgd/lars); where
+    things go (``run.tracking_uri``, which may carry credentials, ``run.storage_path``).
+    ``model.kwargs``/``task.kwargs`` hold only what the config gives. Added: ``world_size``
+    (``2``, or ``1-4`` for an elastic job) and ``parallel.strategy`` always."""
+    flat = cfg.to_flat_dict()
+    p, o, s = cfg.parallel, cfg.optim, cfg.scaling
+    drop = {"run.tracking_uri", "run.storage_path", "run.resume", "run.experiment_name"}
+    if p.comm_hook != "powersgd":
+        drop |= {"parallel.powersgd_rank", "parallel.powersgd_start_iter"}
+    if p.strategy == "fsdp":
+        drop |= {"parallel.bucket_cap_mb", "parallel.gradient_as_bucket_view",
+                 "parallel.static_graph", "parallel.find_unused_parameters", "parallel.comm_hook"}
+    else:
+        drop.add("parallel.fsdp_keep_params_between_fwd_bwd")
+    if cfg.batch.policy != "scale_lr":
+        drop.add("batch.lr_scaling")
+    if cfg.data.order == "permutation":
+        drop |= {"data.partitions", "data.shuffle_window_rows", "data.block_rows"}
+    if o.name in ("adamw", "lamb"):
+        drop.add("optim.momentum")
+    else:
+        drop.add("optim.betas")
+    if s.min_workers == s.max_workers:
+        drop.add("scaling.resize_monitor_interval_s")  # elastic jobs only
+    out = {"world_size": str(s.max_workers) if s.min_workers == s.max_workers
+           else f"{s.min_workers}-{s.max_workers}"}
+    for k, v in flat.items():
+        if v is None or k in drop or v == {} or v == []:
+            continue
+        out[k] = param_text(v)
+    if cfg.data.order == "windowed" and cfg.data.partitions is None:
+        out["data.partitions"] = str(cfg.partitions)  # the default it resolved to
+    return out
+
+
+def describe(cfg: Config) -> str:
+    """The run's description (``mlflow.note.content``, the Overview's "Description"):
+    what was trained on what, and the command that runs it again."""
+    s = cfg.scaling
+    ws = str(s.max_workers) if s.min_workers == s.max_workers else f"{s.min_workers}-{s.max_workers}"
+    task = cfg.task.path or cfg.model.name
+    lines = [f"`{task}` on `{cfg.data.train_path}`, {ws} workers "
+             f"({cfg.parallel.strategy}), global batch {cfg.batch.global_batch_size}, "
+             f"{cfg.train.epochs} epochs" + (f" (at most {cfg.train.max_steps} steps)"
+                                            if cfg.train.max_steps else "") + "."]
+    cmd = command_line()
+    if cmd:
+        lines += ["", f"Command: `{cmd}`"]
+    return "\n".join(lines)
+
+
+def command_line() -> Optional[str]:
+    """The ``elastic-ddp ...`` command this process runs, or None (Python API, tests)."""
+    if Path(sys.argv[0]).name in ("elastic-ddp", "cli.py") and len(sys.argv) > 1:
+        return shlex.join(["elastic-ddp", *sys.argv[1:]])
+    return None
+
+
+def git_info(path: Optional[Path] = None) -> dict[str, str]:
+    """Commit, branch, remote URL (without any user:password) and dirty flag of the git
+    checkout holding ``path`` (default: this package); {} outside a checkout or without
+    git."""
+    where = str(path or Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        out = {"commit": git("rev-parse", "HEAD")}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    for key, args in (("branch", ("rev-parse", "--abbrev-ref", "HEAD")),
+                      ("repo_url", ("config", "--get", "remote.origin.url")),
+                      ("dirty", ("status", "--porcelain", "--untracked-files=no"))):
+        try:
+            out[key] = git(*args)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if out.get("repo_url"):
+        u = urlsplit(out["repo_url"])
+        if u.scheme and "@" in u.netloc:  # https://user:token@host/... -> https://host/...
+            out["repo_url"] = urlunsplit((u.scheme, u.netloc.rsplit("@", 1)[1], u.path, "", ""))
+    out["dirty"] = "true" if out.get("dirty") else "false"
+    return out
+
+
+def _script_name() -> str:
+    """What runs this process when it is not the CLI: the script's name, or the package of
+    a ``python -m pkg`` (``pytest``, not ``__main__.py``)."""
+    p = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+    return p.parent.name if p.name == "__main__.py" and p.parent.name else p.name
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's "Created by" and "Source" tags, which ``MlflowClient.create_run`` (unlike
+    ``mlflow.start_run``) does not set: ``mlflow.user``, ``mlflow.source.type`` (JOB
+    inside a Ray job, else LOCAL), ``mlflow.source.name`` (the command), and in a git
+    checkout ``mlflow.source.git.commit``/``.branch``/``.repoURL`` and
+    ``elastic_ddp.git_dirty`` (uncommitted changes to tracked files); plus
+    ``elastic_ddp.version``."""
+    from elastic_ddp import __version__
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no login name in some containers
+        user = str(os.getuid())
+    tags = {"mlflow.user": user,
+            "mlflow.source.type": "JOB" if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") else "LOCAL",
+            "mlflow.source.name": command_line() or _script_name(),
+            "elastic_ddp.version": __version__}
+    g = git_info()
+    if g:
+        tags["mlflow.source.git.commit"] = g["commit"]
+        tags["elastic_ddp.git_dirty"] = g["dirty"]
+        if g.get("branch") and g["branch"] != "HEAD":
+            tags["mlflow.source.git.branch"] = g["branch"]
+        if g.get("repo_url"):
+            tags["mlflow.source.git.repoURL"] = g["repo_url"]
+    return tags
+
+
 def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
-    """Params in batches of 100 (MLflow's limit per request)."""
+    """Params in batches of 100 (MLflow's limit per request); values as
+    :func:`param_text`, None left out (never the string "None")."""
     from mlflow.entities import Param
 
-    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    items = [Param(k, param_text(v)[:6000]) for k, v in params.items() if v is not None]
     c = client(uri)
     for i in range(0, len(items), 100):
         retrying(c.log_batch, run_id, params=items[i:i + 100], what="log params")
@@ -210,6 +481,168 @@ def log_artifact(uri: str, run_id: str, local_path: str, artifact_path: Optional
     retrying(client(uri).log_artifact, run_id, local_path, artifact_path, what="log artifact")
 
 
+def log_job_inputs(uri: str, run_id: str, cfg: Config, task, train_info, val_info,
+                   resumed: bool) -> None:
+    """What the job reads, in its run: the training (and validation) set as dataset
+    inputs (:func:`log_dataset`) and, for a new run, the params known only once the task
+    and the data are loaded: ``task`` (its class), ``model.parameters`` (count, built on
+    the meta device: no memory), ``data.train_rows``/``data.val_rows``."""
+    log_dataset(uri, run_id, train_info, "training")
+    if val_info is not None:
+        log_dataset(uri, run_id, val_info, "validation")
+    if resumed:
+        return  # params are write-once; the first submission logged them
+    extra: dict[str, Any] = {"data.train_rows": train_info.num_rows}
+    if val_info is not None:
+        extra["data.val_rows"] = val_info.num_rows
+    if task is not None:
+        extra["task"] = f"{type(task).__module__}.{type(task).__qualname__}"
+        try:
+            import torch
+
+            from elastic_ddp.tasks.loading import build_model
+
+            with torch.device("meta"):
+                model = build_model(cfg, task)
+            extra["model.parameters"] = sum(p.numel() for p in model.parameters())
+        except Exception:  # noqa: BLE001 - a model the meta device cannot build
+            pass
+    log_params(uri, run_id, extra)
+
+
+def log_table(uri: str, run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """``rows`` as an MLflow table artifact (``MlflowClient.log_table``: JSON with
+    ``columns`` and ``data``, shown as a table in the UI's artifact view). Rows logged
+    again to the same file are appended (a resumed job adds its submission's rows)."""
+    if not rows:
+        return
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    client(uri).log_table(run_id, {k: [_cell(r.get(k)) for r in rows] for k in cols}, artifact_file)
+
+
+def _cell(v: Any) -> Any:
+    # Table cells: numbers and text; lists and dicts as JSON text, None as an empty cell.
+    if v is None:
+        return ""
+    return v if isinstance(v, (int, float, str, bool)) else json.dumps(v, default=str)
+
+
+def log_image(uri: str, run_id: str, png_path: str, key: str, step: int = 0) -> None:
+    """A PNG as an MLflow image under ``key`` (``MlflowClient.log_image``): the run's
+    "Model metrics" tab shows it as an image chart, not only in the artifact tree."""
+    from PIL import Image
+
+    with Image.open(png_path) as im:
+        client(uri).log_image(run_id, im.convert("RGB"), key=key, step=step)
+
+
+def iso_time(t: float) -> str:
+    """Seconds since the epoch as local ISO-8601 text with offset (tags, tables: a time
+    is never a metric)."""
+    from datetime import datetime
+
+    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+
+def log_dataset(uri: str, run_id: str, info, context: str) -> None:
+    """A data set the job read (``data.scan.DatasetInfo``) as an MLflow dataset input
+    (the run's "Datasets" and the experiment's dataset filter): name ``<folder>/<split>``,
+    source the Parquet path (``local``), digest the scan's fingerprint (changes when rows
+    are added, removed or renumbered), the Arrow schema of the columns read, and a profile
+    (rows, files, row groups, compressed bytes read). ``context``: ``training`` or
+    ``validation`` (the ``mlflow.data.context`` tag)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    p = Path(info.path)
+    path = str(p if "://" in info.path else p.resolve())
+    source = json.dumps({"uri": path if "://" in path else Path(path).as_uri()})
+    profile = {"num_rows": info.num_rows, "num_files": len(info.files),
+               "num_row_groups": len(info.row_groups),
+               "compressed_bytes_read": int(sum(g.nbytes for g in info.row_groups)),
+               "id_column": info.id_column}
+    ds = Dataset(name=f"{p.parent.name}/{p.name}" if p.parent.name else p.name,
+                 digest=info.fingerprint[:16], source_type="local", source=source,
+                 schema=json.dumps({"mlflow_colspec": _colspec(info.schema)}),
+                 profile=json.dumps(profile))
+    client(uri).log_inputs(run_id, datasets=[DatasetInput(ds, [InputTag("mlflow.data.context", context)])])
+
+
+def _colspec(schema) -> list[dict[str, Any]]:
+    """An Arrow schema as MLflow ColSpec JSON (``{"type", "name", "required"}``; a list
+    column as an ``array`` of its element type)."""
+    import pyarrow as pa
+
+    def kind(t) -> dict[str, Any]:
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            return {"type": "array", "items": kind(t.value_type)}
+        if pa.types.is_boolean(t):
+            return {"type": "boolean"}
+        if pa.types.is_integer(t):
+            return {"type": "long" if t.bit_width > 32 else "integer"}
+        if pa.types.is_floating(t):
+            return {"type": "double" if t.bit_width > 32 else "float"}
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return {"type": "binary"}
+        return {"type": "string"}
+
+    return [{"name": f.name, "required": not f.nullable, **kind(f.type)} for f in schema]
+
+
+def log_model(uri: str, run_id: str, model, example: Optional[tuple] = None, step: int = 0,
+              name: str = "model") -> Optional[str]:
+    """``model`` (a plain ``nn.Module`` on the CPU) as an MLflow PyTorch model of the run,
+    loadable with ``mlflow.pytorch.load_model(f"runs:/{run_id}/{name}")`` or
+    ``models:/<model id>``; returns the model id.
+
+    The model is pickled by reference to its classes: elastic_ddp is shipped inside the
+    model (``code_paths``) so it loads where elastic_ddp is not installed; a user's task
+    module loaded from a file is pickled by value (``tasks.loading``). ``example``:
+    (input, output) of one forward call, for the model's signature (tensor specs). The
+    pip requirements are given (torch, mlflow) rather than inferred: inference imports the
+    model in a subprocess, several seconds for nothing new."""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    signature = None
+    if example is not None:
+        from mlflow.models import infer_signature
+
+        x, y = example
+        if torch.is_tensor(x) and torch.is_tensor(y):
+            signature = infer_signature(x.detach().cpu().numpy(), y.detach().cpu().float().numpy())
+    import logging
+
+    pkg = Path(__file__).resolve().parent
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    # Its warning that pickled models run code when loaded: true of any full-model pickle,
+    # and said once in the README; the weights-only model/state.pt is the safe copy.
+    pt_logger = logging.getLogger("mlflow.pytorch")
+    pt_level = pt_logger.level
+    pt_logger.setLevel(logging.ERROR)
+    try:
+        # Created here, in the run's experiment: Model.log alone would create it in the
+        # process's active (fluent) experiment, "Default", away from its run.
+        c = client(uri)
+        run = c.get_run(run_id)
+        logged = c.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
+                                       params=dict(run.data.params))
+        info = mlflow.pytorch.log_model(
+            model, name=name, run_id=run_id, model_id=logged.model_id, step=step, signature=signature,
+            # pickle, not MLflow 3's default pt2 (torch.export): an exported program is
+            # traced at the example's batch size; the pickled module takes any batch.
+            serialization_format="pickle", code_paths=[str(pkg)],
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                              f"mlflow=={mlflow.__version__}"])
+    finally:
+        mlflow.set_tracking_uri(previous)
+        pt_logger.setLevel(pt_level)
+    return info.model_id
+
+
 def download_artifact(uri: str, run_id: str, path: str, dst: str) -> str:
     return client(uri).download_artifacts(run_id, path, dst)
 
@@ -232,7 +665,8 @@ class JobTracker:
     """
 
     def __init__(self, uri: str, run_id: str, flush_period_s: float = 1.0,
-                 attempts_before: int = 0, world_sizes_before: Optional[list] = None):
+                 attempts_before: int = 0, world_sizes_before: Optional[list] = None,
+                 system_metrics: bool = True):
         self.uri, self.run_id = uri, run_id
         # Worker-group starts of this job in earlier submissions (the run's tags), so the
         # restart count holds across resubmissions.
@@ -256,13 +690,18 @@ class JobTracker:
         self._client = None
         self._written = self._requested = 0
         threading.Thread(target=self._loop, name="mlflow-writer", daemon=True).start()
+        self._sysmon = start_system_metrics(uri, run_id) if system_metrics else None
 
     # -- calls from workers, controller and driver -----------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Raw names (``train_loss``, ``step``...) in ``latest``; written to MLflow under
+        :func:`metric_key`."""
         ts = int(time.time() * 1000)
         with self._lock:
             for k, v in metrics.items():
-                self._metrics.append((k, float(v), ts, int(step)))
+                key = metric_key(k)
+                if key is not None:
+                    self._metrics.append((key, float(v), ts, int(step)))
                 self.latest[k] = float(v)
             if len(self._metrics) > MAX_BUFFERED_METRICS:
                 extra = len(self._metrics) - MAX_BUFFERED_METRICS
@@ -342,6 +781,17 @@ class JobTracker:
             self._cv.notify_all()
             return self._cv.wait_for(lambda: self._written >= target, timeout=timeout_s)
 
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the system-metrics monitor (its last samples written) and flush; the
+        driver calls it before it closes the run."""
+        if self._sysmon is not None:
+            try:
+                self._sysmon.finish()
+            except Exception:  # noqa: BLE001 - monitoring must never fail the job
+                pass
+            self._sysmon = None
+        return self.flush(timeout_s)
+
     # -- the writer thread ------------------------------------------------------------
     def _loop(self) -> None:
         backoff = self._period
@@ -420,12 +870,44 @@ class JobTracker:
 
         if self._client is None:
             self._client = client(self.uri)
+        # train/ and val/ first: the Overview's metrics table lists keys in the order the
+        # store first saw them.
+        metrics = sorted(metrics, key=lambda m: (_display_rank(m[0]), m[3], m[2]))
         for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics[i:i + 1000]])
         if tags:
             self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         for path, text in arts.items():
             self._client.log_text(self.run_id, text, path)
+
+
+def start_system_metrics(uri: str, run_id: str, interval_s: float = SYSTEM_METRICS_INTERVAL_S):
+    """MLflow's ``SystemMetricsMonitor`` for the run (``system/*``: CPU %, memory, disk,
+    network, and GPU utilisation/memory/power when NVML finds a GPU), sampling this
+    machine every ``interval_s`` seconds until the run stops RUNNING or ``finish()``.
+    A resumed job's samples continue the run's system steps. None when psutil is
+    missing or the monitor cannot start (monitoring never stops a job)."""
+    import logging
+
+    try:
+        import psutil  # noqa: F401 - what MLflow's CPU, memory, disk and network monitors read
+    except ImportError:
+        return None
+    try:
+        import pynvml  # noqa: F401 - nvidia-ml-py: MLflow's GPU monitor (NVML), where a GPU is
+    except ImportError:
+        pass
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # Its "Started monitoring"/"Skip logging GPU metrics" INFO lines: the actor's log.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        mon = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
+                                   tracking_uri=uri)
+        mon.start()
+        return mon
+    except Exception:  # noqa: BLE001 - psutil missing, store unreachable
+        return None
 
 
 def start_tracker(uri: str, run_id: str, resumed: bool = False):

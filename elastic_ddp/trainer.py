@@ -196,6 +196,8 @@ class Trainer:
                 self.load_state_dict(load_state(d))
             self.counters.restarts += 1
             self.resumed_from = self.progress.step
+            self.log(f"restored {checkpoint.path}: resume_step={self.progress.step} "
+                     f"epoch={self.progress.epoch + 1} cursor={self.progress.cursor}")
         self.counters.world_sizes_seen.append(self.world_size)
         # The job's worker-group starts so far (rank 0 asks the tracker): a restart
         # before the first checkpoint, or one from a checkpoint older than the last
@@ -453,7 +455,8 @@ class Trainer:
             return
         self.at("metrics", p.step)
         m = self.window.reduce(self.comm_size, self.device)
-        m.update(step=p.step, epoch=p.epoch, world_size=self.world_size)
+        # epoch 1-based, as every line a person reads counts it (progress, logs, summary).
+        m.update(step=p.step, epoch=p.epoch + 1, world_size=self.world_size)
         self.tracker.log_metrics(m, p.step)
         self.log(f"epoch {p.epoch + 1} step {p.step}/{self.run.total_steps} loss "
                  f"{m['train_loss']:.4f} lr {m['lr']:.2e} {m['samples_per_s']:.0f} samples/s")

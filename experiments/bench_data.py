@@ -91,14 +91,15 @@ def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     from elastic_ddp.data.ingest import epoch_order
     from elastic_ddp.launcher import prepare, train
     from elastic_ddp.ledger import audit
-    from elastic_ddp.tracking import metric_history
+    from elastic_ddp.tracking import metric_history, metric_key
 
     cfg = _config(data, tmp, f"elastic-{data.name}", steps)
     t0 = time.time()
     s = train(cfg, progress=False, ledger_dir=str(tmp / "ledger"),
               fault={"rank": 1, "at_step": kill_at, "where": "step", "marker": str(tmp / "fired")})
     uri, rid = cfg.run.tracking_uri, s.run_id
-    hist = {k: metric_history(uri, rid, k) for k in ("peak_mem_mib_max", "samples_per_s", "data_wait_frac")}
+    hist = {k: metric_history(uri, rid, metric_key(k))
+            for k in ("peak_mem_mib_max", "samples_per_s", "data_wait_frac")}
     steady = lambda k: [v for st, v in hist[k] if 5 < st < kill_at]  # noqa: E731
     _, info, _, _ = prepare(cfg)
     order = epoch_order(info, cfg, 0)

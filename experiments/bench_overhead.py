@@ -18,12 +18,12 @@ one core, and its 690-step epoch never ends inside the window.
 
 Definitions (both sides measured the same way, on rank 0, over steps warmup+1..steps):
   * samples/s: wall-clock, everything inside the loop included. elastic: from the MLflow
-    timestamps of the ``step`` metric at two log steps, so the log steps' metric
+    timestamps of the ``train/loss`` points at two log steps, so the log steps' metric
     reduction and MLflow write are included; checkpoints are not (the config only
     checkpoints at the end, as the baseline never does). "in-loop" is elastic's own
     ``samples_per_s`` metric (sum of step times only), shown for reference.
   * cmd->1st step: from launching the command (``torchrun ...`` / ``elastic-ddp train
-    ...``) to the end of the first optimizer step (``attempt_first_step_ts``).
+    ...``) to the end of the first optimizer step (the summary's ``startup.total_s``).
   * data wait: share of step time spent gathering rows and making tensors.
 The MLflow store is created before the first timed run (a user's second and later
 jobs), so cmd->1st step does not include MLflow's one-off schema migration.
@@ -78,15 +78,20 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
     sets = [f"scaling.min_workers={ws}", f"scaling.max_workers={ws}", f"train.max_steps={steps}",
             f"run.name={name}", f"run.tracking_uri={uri}", f"run.storage_path={tmp / 'ray'}",
             "run.experiment_name=bench", *overrides]
-    cmd = [str(VENV_BIN / "elastic-ddp"), "train", config, "--no-progress"]
+    cmd = [str(VENV_BIN / "elastic-ddp"), "train", config, "--no-progress", "--json"]
     out, t_cmd = _timed_run(cmd + [a for o in sets for a in ("--set", o)], "elastic-ddp")
     total = time.time() - t_cmd
+    summary = json.loads(out.stdout[out.stdout.index("\n{") + 1:] if not out.stdout.startswith("{")
+                         else out.stdout)
+    from elastic_ddp.tracking import metric_key
+
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("bench")
-    run = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")[0]
-    rid = run.info.run_id
-    first = min(m.value for m in client.get_metric_history(rid, "attempt_first_step_ts"))
-    steps_hist = sorted((int(m.value), m.timestamp / 1000.0) for m in client.get_metric_history(rid, "step"))
+    rid = summary["run_id"]
+    run = client.get_run(rid)
+    # The train/loss points are logged at log steps: their MLflow timestamps give the
+    # wall-clock rate between two log steps, everything inside the loop included.
+    steps_hist = sorted((int(m.step), m.timestamp / 1000.0)
+                        for m in client.get_metric_history(rid, metric_key("train_loss")))
     after = [(s, ts) for s, ts in steps_hist if s >= warmup]
     if len(after) < 2:
         raise ValueError(f"fewer than 2 logged steps in {warmup}..{steps} (train.log_every_steps "
@@ -95,22 +100,19 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
     cfg_g = int(run.data.params["batch.global_batch_size"])
 
     def med(key: str) -> float:
-        vals = [m.value for m in client.get_metric_history(rid, key) if m.step > warmup]
+        vals = [m.value for m in client.get_metric_history(rid, metric_key(key)) if m.step > warmup]
         return statistics.median(vals) if vals else float("nan")
 
-    # The job's own command-to-first-step profile (launcher.startup_breakdown), logged as
-    # startup/<phase>_s metrics: which processes and imports the time goes to.
-    from elastic_ddp.launcher import _STARTUP_PHASES
-
-    got = {k.split("/", 1)[1]: v for k, v in run.data.metrics.items() if k.startswith("startup/")}
-    startup = {name: got[name] for name, _, _ in _STARTUP_PHASES if name in got}
-    startup["total_s"] = got.get("total_s", float("nan"))
+    # The job's own command-to-first-step profile (report.startup_breakdown): which
+    # processes and imports the time goes to; total_s runs from the CLI process's start.
+    startup = dict(summary.get("startup") or {})
+    first_ts = t_cmd + startup.get("total_s", float("nan"))
     read = re.search(r"read (\d+) train rows in ([\d.]+)s", out.stdout)
     return {
         "world_size": ws, "run_id": rid,
         "samples_per_s": (s_b - s_a) * cfg_g / (ts_b - ts_a),
         "in_loop_samples_per_s": med("samples_per_s"),
-        "cmd_to_first_step_s": first - t_cmd,
+        "cmd_to_first_step_s": first_ts - t_cmd,
         "data_wait_frac": med("data_wait_frac"),
         "allreduce_exposed_s": med("allreduce_exposed_s_mean"),
         "step_time_s": med("step_time_s_mean"),

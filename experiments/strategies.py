@@ -65,7 +65,7 @@ def main() -> None:
         client = MlflowClient(s.tracking_uri)
         hist = lambda k: [m.value for m in client.get_metric_history(s.run_id, k)]  # noqa: E731
         sps = hist("samples_per_s")[1:] or hist("samples_per_s")
-        mem = hist("peak_mem_mib_max")
+        mem = hist("worker/peak_mem_mib_max")
         n_params = sum(p.numel() for p in build_model(cfg.model).parameters())
         rows.append({
             "seed": cfg.seed, "strategy": strategy, "hook": hook, "val_loss": s.metrics.get("val_loss", float("nan")),

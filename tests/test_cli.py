@@ -214,7 +214,8 @@ def test_prepare_digits_without_scikit_learn_names_the_extra(tmp_path, capsys, m
 
 
 # Distribution name -> the module elastic_ddp imports.
-_MODULE = {"scikit-learn": "sklearn", "pyyaml": "yaml", "pytorch-optimizer": "pytorch_optimizer"}
+_MODULE = {"scikit-learn": "sklearn", "pyyaml": "yaml", "pytorch-optimizer": "pytorch_optimizer",
+           "nvidia-ml-py": "pynvml"}
 
 
 def _requirements(extra=None) -> list[str]:

@@ -68,7 +68,7 @@ def _loss_history(tmp: Path, run_id: str) -> list[tuple[int, float]]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train_loss"))
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
 
 
 # ------------------------------------------------------------------ PNG digits, no Ray

@@ -115,7 +115,7 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
     assert all(a["skips_agree"] for a in report["attempts"])
     assert all(e["lost"] == 0 and e["repeated"] == 0 for e in report["epochs"].values())
     assert s.skipped_steps == 2
-    hist = _client(tmp_path).get_metric_history(s.run_id, "skipped_samples")
+    hist = _client(tmp_path).get_metric_history(s.run_id, "worker/skipped_samples")
     assert max(m.value for m in hist) == sum(e["skipped"] for e in skipped)
     state = load_state(s.checkpoint_path)
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
@@ -173,7 +173,7 @@ def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_p
     (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "FINISHED"
     # Every step's metrics reached the store, also those logged while it was locked.
-    hist = _client(tmp_path).get_metric_history(run.info.run_id, "train_loss")
+    hist = _client(tmp_path).get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in hist) == list(range(1, 17)), sorted(m.step for m in hist)
     during = [m for m in hist if lock["t"] <= m.timestamp / 1000 <= lock["released"]]
     assert during, "no step was logged while the store was locked"

@@ -524,13 +524,13 @@ def test_the_tracker_drops_what_the_store_refuses_and_writes_the_rest(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
-    tracker = JobTracker(uri, run_id, flush_period_s=0.2)
+    tracker = JobTracker(uri, run_id, flush_period_s=0.2, system_metrics=False)
     tracker.log_metrics({"train_loss": 0.5, "train_acc@1": 0.9}, 1)
     tracker.log_metrics({"train_loss": 0.4}, 2)
     assert tracker.flush(30)
     snap = tracker.snapshot()
     assert snap["dropped"] == 1 and "acc@1" in snap["last_error"], snap
-    assert tracking.metric_history(uri, run_id, "train_loss") == [(1, 0.5), (2, 0.4)]
+    assert tracking.metric_history(uri, run_id, "train/loss") == [(1, 0.5), (2, 0.4)]
 
 
 def _free_port() -> int:
@@ -617,7 +617,7 @@ def test_a_locked_store_delays_metrics_and_the_drivers_calls_but_loses_nothing(t
     uri = f"sqlite:///{db}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
-    tracker = JobTracker(uri, run_id, flush_period_s=0.2)
+    tracker = JobTracker(uri, run_id, flush_period_s=0.2, system_metrics=False)
     tracker.log_metrics({"train_loss": 1.0}, 1)
     assert tracker.flush(30)
     lock = hold_sqlite_lock(db, 25)
@@ -633,7 +633,7 @@ def test_a_locked_store_delays_metrics_and_the_drivers_calls_but_loses_nothing(t
     assert snap["unavailable_s"] >= 15 and "locked" in snap["last_error"], snap
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.end_time / 1000 >= released - 1
-    assert [s for s, _ in tracking.metric_history(uri, run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in tracking.metric_history(uri, run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
     assert "MLflow store unavailable (close run" in capsys.readouterr().err
 
 

@@ -2,7 +2,10 @@
 DDP across 2 worker processes, and a sqlite MLflow store under tmp_path.
 
 (a) digits cnn trains to a good accuracy and leaves exactly one complete MLflow run whose
-    model artifact reproduces the reported accuracy in plain PyTorch;
+    model artifact reproduces the reported accuracy in plain PyTorch, and which reads as a
+    person expects in the MLflow UI (loss/accuracy charts first, no timestamps among the
+    metrics, one goodput, the params the job uses, source/user/git tags, system
+    metrics, the data sets as inputs, an MLflow model that mlflow.pytorch loads);
 (b) the byte-level gpt learns on a slice of the stdlib corpus;
 (c) (the worker-SIGKILL recovery runs in tests/test_elastic.py and, for a user's task,
     tests/test_user_task.py)
@@ -53,12 +56,17 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def _val_accuracy_plain_torch(cfg: Config, state_dict: dict, val_dir: Path) -> tuple[float, int]:
     """Accuracy of a plain (non-DDP) model on every row of the val Parquet files."""
+    model = build_model(cfg, load_task(cfg))
+    model.load_state_dict(state_dict)  # strict: no missing or "module."-prefixed keys
+    return _val_accuracy_of(model, val_dir)
+
+
+def _val_accuracy_of(model: torch.nn.Module, val_dir: Path) -> tuple[float, int]:
+    """Accuracy of ``model`` (called on [B, 64] float rows) on every val row."""
     files = sorted(val_dir.glob("*.parquet"))
     x = np.concatenate([np.stack(pq.read_table(f, columns=["x"])["x"].to_numpy(zero_copy_only=False))
                         for f in files]).astype(np.float32)
     y = np.concatenate([pq.read_table(f, columns=["y"])["y"].to_numpy() for f in files])
-    model = build_model(cfg, load_task(cfg))
-    model.load_state_dict(state_dict)  # strict: no missing or "module."-prefixed keys
     model.eval()
     with torch.no_grad():
         pred = model(torch.from_numpy(x)).argmax(-1).numpy()
@@ -113,6 +121,66 @@ def _replay_loop(cfg: Config, orders, x, y, pos) -> tuple[list[float], torch.nn.
     return losses, model
 
 
+def _check_run_reads_well(client, run, summary, cfg: Config, data: Path, tmp: Path) -> None:
+    """The finished job's MLflow run as the MLflow 3 UI shows it (see tracking.py)."""
+    import json
+    import subprocess
+
+    import mlflow.pytorch
+
+    rid = run.info.run_id
+    m, p, tags = run.data.metrics, run.data.params, run.data.tags
+    # Charts: the UI has one section per "/" prefix, in ASCII order, and the unprefixed
+    # "Model metrics" last; system/ has its own tab. Loss and accuracy come first.
+    sections = sorted({k.split("/")[0] for k in m if "/" in k and not k.startswith("system/")})
+    assert sections[:2] == ["train", "val"], sections
+    assert {"train/loss", "train/acc", "val/loss", "val/acc"} <= set(m)
+    assert not [k for k in m if k.startswith("startup/") or k.startswith("recovery_s/")], sorted(m)
+    assert "step" not in m  # the x axis, not a chart
+    # No timestamps among the metrics: no value within ten years of now, in s or ms.
+    now = time.time()
+    for key in m:
+        for h in client.get_metric_history(rid, key):
+            assert abs(h.value - now) > 3.2e8 and abs(h.value - now * 1000) > 3.2e11, (key, h)
+    assert len(client.get_metric_history(rid, "goodput")) == 1
+    assert len(client.get_metric_history(rid, "startup_s")) == 1
+    # System metrics (MLflow's monitor in the tracker actor) for the job's lifetime.
+    cpu = client.get_metric_history(rid, "system/cpu_utilization_percentage")
+    assert len(cpu) >= 2 and "system/system_memory_usage_megabytes" in m, sorted(m)
+    # Params: what the job uses, typed text, no "None".
+    assert not [k for k, v in p.items() if v in ("None", "null")], p
+    assert not [k for k in p if k.startswith("parallel.powersgd") or k.startswith("parallel.fsdp")]
+    assert [k for k in p if k.startswith("model.kwargs.")] == ["model.kwargs.hidden"]
+    assert p["model.kwargs.hidden"] == "64" and json.loads(p["batch.global_batch_size"]) == 32
+    assert p["world_size"] == "2" and p["parallel.strategy"] == "ddp"
+    assert p["parallel.bf16"] == "false" and int(p["model.parameters"]) > 1000
+    # Created by / Source / version
+    assert tags["mlflow.user"] and tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"]
+    assert tags["elastic_ddp.version"] and tags["mlflow.note.content"]
+    head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode == 0:  # in a git checkout (CI's fresh clone is one)
+        assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+    # Datasets: the train and val Parquet sets, with the scan's fingerprint as digest.
+    ins = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
+    assert set(ins) == {"training", "validation"}, ins
+    assert json.loads(ins["training"].profile)["num_rows"] == len(_train_ids(data))
+    assert json.loads(ins["training"].source)["uri"] == (data / "train").resolve().as_uri()
+    # Artifacts beside the store (mlruns/ next to mlflow.db), restart-free tables.
+    assert run.info.artifact_uri.startswith(str(tmp / "mlruns")), run.info.artifact_uri
+    arts = {a.path for a in client.list_artifacts(rid)}
+    assert {"startup.json", "summary.json", "model"} <= arts, arts
+    startup = json.loads(Path(client.download_artifacts(rid, "startup.json", str(tmp / "st"))).read_text())
+    assert "phase" in startup["columns"] and len(startup["data"]) >= 5
+    # The logged model: one output of the run, loads with mlflow.pytorch, and
+    # reproduces the reported accuracy on every val row.
+    assert [o.model_id for o in run.outputs.model_outputs] == [summary.model_id]
+    mlflow.set_tracking_uri(client.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{summary.model_id}")
+    acc, n_val = _val_accuracy_of(model, data / "val")
+    assert abs(acc - summary.metrics["val_acc"]) <= 1.0 / n_val + 1e-12, (acc, summary.metrics)
+
+
 # ------------------------------------------------------------------------------- (a)
 def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_path):
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, DIGITS_FAST))
@@ -133,7 +201,7 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     assert all(v >= 0 for v in phases.values()), st
     assert abs(sum(phases.values()) - st["total_s"]) < 0.05, st
     logged = _client(tmp_path).get_run(summary.run_id).data.metrics
-    assert logged["startup/total_s"] == pytest.approx(st["total_s"]), logged
+    assert logged["startup_s"] == pytest.approx(st["total_s"]), logged
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1, [r.info.run_id for r in runs]
@@ -146,22 +214,23 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     assert p["batch.global_batch_size"] == "32" and p["batch.micro_batch_size"] == "8"
     assert p["model.name"] == "cnn" and p["scaling.max_workers"] == "2"
     m = run.data.metrics
-    for key in ("train_loss", "train_acc", "val_acc", "val_loss", "samples_per_s", "world_size",
+    for key in ("train/loss", "train/acc", "val/acc", "val/loss", "samples_per_s", "world_size",
                 "lr", "goodput"):
         assert key in m, f"metric {key} missing: {sorted(m)}"
     assert m["world_size"] == 2
     assert m["samples_per_s"] > 0 and 0 < m["goodput"] <= 1
-    assert m["val_acc"] == pytest.approx(summary.metrics["val_acc"])
+    assert m["val/acc"] == pytest.approx(summary.metrics["val_acc"])
 
     client = _client(tmp_path)
-    loss = _history(client, summary.run_id, "train_loss")
+    _check_run_reads_well(client, run, summary, cfg, digits_data, tmp_path)
+    loss = _history(client, summary.run_id, "train/loss")
     assert loss[0][0] == 1 and loss[-1][0] >= steps_total - 5
     assert loss[-1][1] < 0.5 * loss[0][1], loss
     # Warm-up then cosine: the logged LR rises to near the peak, then ends near the floor.
     lrs = _history(client, summary.run_id, "lr")
     assert lrs[0][1] < lrs[1][1] and max(v for _, v in lrs) <= 0.01 + 1e-12
     assert lrs[-1][1] < 0.1 * 0.01
-    assert len(_history(client, summary.run_id, "val_acc")) == 3  # once per epoch
+    assert len(_history(client, summary.run_id, "val/acc")) == 3  # once per epoch
 
     # The model artifact loads in plain PyTorch and reproduces the reported accuracy.
     local = Path(client.download_artifacts(summary.run_id, "model/state.pt", str(tmp_path / "dl")))
@@ -195,7 +264,7 @@ def test_gpt_bytes_loss_drops(ray_cluster, pycode_data, tmp_path):
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    loss = _history(_client(tmp_path), summary.run_id, "train_loss")
+    loss = _history(_client(tmp_path), summary.run_id, "train/loss")
     first, last = loss[0], loss[-1]
     print(f"[e2e gpt] train_loss step {first[0]}: {first[1]:.3f} -> step {last[0]}: {last[1]:.3f}")
     assert first[0] == 1 and last[0] == 40
@@ -220,7 +289,7 @@ def test_batchnorm_mlp_with_one_row_per_rank_trains(ray_cluster, digits_data, tm
     }))
     summary = train(cfg, progress=False)
     assert summary.steps == 12 and summary.restarts == 0
-    loss = _history(_client(tmp_path), summary.run_id, "train_loss")
+    loss = _history(_client(tmp_path), summary.run_id, "train/loss")
     assert loss and all(math.isfinite(v) for _, v in loss), loss
     assert math.isfinite(summary.metrics["val_loss"])
 
@@ -295,7 +364,7 @@ def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_clus
     # step's loss after the resume matches the uninterrupted run's. Measured: 1.3e-7
     # against the replay, ~5e-8 against an uninterrupted 2-worker ddp job (float
     # reassociation); with the optimizer state not loaded (fresh Adam moments), 0.49.
-    got = dict(_history(_client(tmp_path), s.run_id, "train_loss"))
+    got = dict(_history(_client(tmp_path), s.run_id, "train/loss"))
     after = [k for k in sorted(got) if k > 8]
     assert after == list(range(9, RESIZE_STEPS + 1)), after
     worst = max(abs(got[k] - ref_loss[k]) / ref_loss[k] for k in after)

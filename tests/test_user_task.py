@@ -40,8 +40,8 @@ def test_user_task_cli_and_api_with_a_worker_killed(ray_cluster, digits_data, tm
     assert "=== elastic-ddp summary ===" in out and "val_acc=" in out
     (cli_run,) = [r for r in mlflow_runs(tmp_path) if r.data.tags.get("mlflow.runName") == "user-cli"]
     assert cli_run.info.status == "FINISHED"
-    ref_loss = cli_run.data.metrics["val_loss"]
-    assert cli_run.data.metrics["val_acc"] > 0.5  # 90 steps of a tiny net: well above chance
+    ref_loss = cli_run.data.metrics["val/loss"]
+    assert cli_run.data.metrics["val/acc"] > 0.5  # 90 steps of a tiny net: well above chance
 
     # Python API with a task object; rank 1 SIGKILLs itself before step 25 (epoch 1).
     spec = importlib.util.spec_from_file_location("user_task_api", task_file)
