@@ -153,7 +153,7 @@ def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_p
         while time.time() < deadline:
             try:
                 with sqlite3.connect(db, timeout=1) as c:
-                    step = c.execute("SELECT max(step) FROM metrics WHERE key='train_loss'").fetchone()[0]
+                    step = c.execute("SELECT max(step) FROM metrics WHERE key='train/loss'").fetchone()[0]
             except sqlite3.Error:
                 step = None
             if step is not None and step >= 3:

@@ -201,7 +201,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
     ckpts = sorted((root / "ray_results" / "submit-e2e").glob("checkpoint_*"))
     assert ckpts, "no checkpoint written under the checkout's ray_results"
     state = load_state(ckpts[-1])  # weights_only=True load + format check
-    assert state["epoch"] == 1 and state["step"] > 0
+    assert state["progress"]["epoch"] == 1 and state["progress"]["step"] > 0
     assert not list(elsewhere.iterdir())  # nothing landed in the submitter's directory
 
     runs = mlflow_runs(root)
@@ -213,7 +213,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
     # The epoch-end validation was logged at the checkpoint's step ('step' itself is
     # logged every log_every_steps, so its last value may be a few steps earlier).
     val = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_metric_history(run.info.run_id, "val/acc")
-    assert val and val[-1].step == state["step"]
+    assert val and val[-1].step == state["progress"]["step"]
     assert json.loads(run.data.tags["elastic_ddp.world_sizes_seen"]) == [2]
     assert run.data.params["data.train_path"] == str((root / "data" / "digits" / "train").resolve())
     # Both nodes are still up: the job did not take the cluster down with it.
