@@ -90,6 +90,12 @@ class DataConfig(_Section):
             "shuffle (finer shuffle, but a row group shared by blocks is read once per "
             "block). null: whole row groups."),
     )
+    read_ahead_mib: float = Field(
+        256.0, gt=0, description=(
+            "Object-store memory (MiB) each rank's Ray Data pipeline may fill with windows "
+            "read and transformed ahead of training. Without a cap Ray Data reads ahead until "
+            "its object store budget is full (GBs, spilled to disk), on the training cores."),
+    )
     on_change: Literal["refuse", "restart_epoch"] = Field(
         "refuse", description=(
             "A resume whose checkpoint was written on other data (rows added, removed or "
@@ -217,6 +223,9 @@ class ScalingConfig(_Section):
         "auto", description="auto: GPU (NCCL) when the cluster has GPUs, else CPU (gloo)."
     )
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker.")
+    gpus_per_worker: float = Field(
+        1.0, gt=0, le=1, description="GPUs per worker when on GPUs; below 1 packs several "
+        "workers on one GPU, which NCCL refuses for ranks of one process group.")
     torch_threads: Optional[int] = Field(
         None, ge=1, description="torch.set_num_threads per worker; default its CPU share."
     )

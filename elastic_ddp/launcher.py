@@ -16,14 +16,14 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
-from elastic_ddp.report import (ProgressDisplay, Summary, goodput, mlflow_ui_command,
-                                recovery_events, startup_breakdown)
+from elastic_ddp.finish import finish_job as _finish
+from elastic_ddp.preflight import (_report_skipped, check_ray_address, check_storage,  # noqa: F401
+                                   prepare, process_start_time)
+from elastic_ddp.report import ProgressDisplay, Summary
 
 RAY_RUN_NAME_TAG = "elastic_ddp.ray_run_name"
 
@@ -39,37 +39,6 @@ def _storage_path(cfg: Config) -> str:
     p = cfg.run.storage_path
     return p if is_uri(p) else local_path(p)
 
-
-def check_ray_address() -> None:
-    """Refuse a ``RAY_ADDRESS`` nothing answers at, before anything starts: ``ray.init``
-    would wait for its GCS for minutes without saying why.
-
-    Raises:
-        ConfigError: ``host:port`` (or ``ray://host:port``) refuses a TCP connection
-            within 5 s.
-    """
-    import socket
-    from urllib.parse import urlsplit
-
-    from elastic_ddp.config import ConfigError
-
-    addr = os.environ.get("RAY_ADDRESS", "").strip()
-    if not addr or addr in ("auto", "local"):
-        return
-    parts = urlsplit(addr if "://" in addr else f"tcp://{addr}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if not host or not port:
-        return
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-    except OSError as e:
-        raise ConfigError(
-            f"RAY_ADDRESS={addr}: nothing answers at {host}:{port} ({e.strerror or e}); start "
-            "the cluster first (ray start --head, or cluster/local_cluster.py start), point "
-            "RAY_ADDRESS at its GCS address, or unset RAY_ADDRESS to train on a local Ray") from None
 
 
 def _init_ray(cfg: Config) -> None:
@@ -200,7 +169,7 @@ def build_trainer(cfg: Config, job, tracker):
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=use_gpu,
             elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
-            resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if use_gpu else {})},
         ),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -219,66 +188,6 @@ def build_trainer(cfg: Config, job, tracker):
         # (elastic_ddp.data.ingest): no dataset is split by Ray Train.
     )
 
-
-def prepare(cfg: Config, task=None):
-    """Everything that can be checked before Ray or MLflow starts: the task, both
-    splits' footers against the task's columns, and a dry run of the task on two rows.
-    Returns (task, train_info, val_info, sample).
-
-    Raises:
-        TaskError, DataError, ConfigError: see :func:`train`.
-    """
-    from elastic_ddp.data.ingest import epoch_order
-    from elastic_ddp.data.scan import DataError, scan_parquet
-    from elastic_ddp.tasks.loading import load_task, preflight
-
-    task = load_task(cfg, task)
-    cols = task.input_columns()
-    d = cfg.data
-    train_info = scan_parquet(d.train_path, cols, d.id_column)
-    val_info = scan_parquet(d.val_path, cols, d.id_column) if d.val_path else None
-    try:
-        epoch_order(train_info, cfg, 0)
-    except ValueError as e:
-        raise DataError(f"{d.train_path}: {e}") from None
-    sample = preflight(cfg, task, train_info, val_info)
-    check_storage(cfg)
-    return task, train_info, val_info, sample
-
-
-def check_storage(cfg: Config) -> None:
-    """A local ``run.storage_path`` must be a directory this process can create and write
-    (Ray Train's controller would otherwise die creating it, after the MLflow run opened).
-    URIs are left to their file system (credentials may live on the cluster only).
-
-    Raises:
-        ConfigError: the directory cannot be created or written, naming it and why.
-    """
-    from elastic_ddp.config import ConfigError
-    from elastic_ddp.paths import is_uri, local_path, uri_to_filesystem
-
-    path = cfg.run.storage_path
-    if is_uri(path):
-        if not path.lower().startswith("file:"):
-            return
-        try:  # a file:// URI with a raw '?' or '#', a host, a bad escape
-            path = uri_to_filesystem(path)[1]
-        except ValueError as e:
-            raise ConfigError(f"run.storage_path: {e}") from None
-    d = Path(local_path(path))
-    # Nothing is created here: the nearest existing ancestor must be a writable directory.
-    near = d
-    while not near.exists() and near != near.parent:
-        near = near.parent
-    why = None
-    if not near.is_dir():
-        why = f"{near} is not a directory"
-    elif not os.access(near, os.W_OK | os.X_OK):
-        why = f"{near} is not writable by this user"
-    if why:
-        raise ConfigError(f"run.storage_path={cfg.run.storage_path!r}: cannot create or write {d} "
-                          f"({why}); choose a directory you can write, or a URI such as "
-                          "s3://bucket/runs")
 
 
 def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bool = True,
@@ -418,170 +327,3 @@ def _run_dir_exists(storage: str, name: str) -> bool:
     # Never "file://" + path: a space, '#' or '?' in the path would break the URI.
     fs, base = uri_to_filesystem(storage)
     return fs.get_file_info(f"{base.rstrip('/')}/{name}").type != pyarrow.fs.FileType.NotFound
-
-
-def _finish(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
-            ledger_dir: Optional[str], marks: dict, task=None, sample=None, n_train: int = 1,
-            storage: str = "") -> Summary:
-    import ray
-
-    from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
-
-    # close: the system-metrics monitor stops and writes its last samples, then a flush.
-    ray.get(tracker.close.remote(60), timeout=90)
-    snap = ray.get(tracker.snapshot.remote())
-    run = tracking.run_info(uri, run_id)
-    # The job's wall time runs from its MLflow run's first start: a resubmitted job's
-    # committed seconds span every submission, and so must the time they are divided by.
-    wall = time.time() - min(t0, run.info.start_time / 1000.0)
-    attempts = None
-    if ledger_dir:
-        from elastic_ddp.ledger import LedgerError, read_attempts
-
-        try:
-            attempts = read_attempts(ledger_dir)
-        except LedgerError:
-            attempts = None
-    events = recovery_events(snap, attempts)
-    startup = startup_breakdown(snap, marks)
-    state: dict = {}
-    ckpt = result.checkpoint
-    model_id = None
-    # A newer complete one in storage: written by a partial per-step quorum, or persisted
-    # by a worker just before the controller stopped polling.
-    newer = newest_complete(storage, cfg.run.name, checkpoint_step(ckpt.path) if ckpt else -1) \
-        if storage else None
-    ckpt = newer or ckpt
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = load_state(d)
-            # The final model, loadable in plain PyTorch (no DDP "module." prefix).
-            tracking.log_artifact(uri, run_id, str(Path(d) / "state.pt"), "model")
-            tracking.log_artifact(uri, run_id, str(Path(d) / "config.json"), "model")
-    counters = state.get("counters", {})
-    progress = state.get("progress", {})
-    gp = goodput(counters.get("committed_train_s", 0.0), wall)
-    step = int(progress.get("step", 0))
-    if state.get("model") is not None and task is not None:
-        model_id = _log_mlflow_model(cfg, uri, run_id, task, state["model"], sample, step)
-    # One value each, at the last step: scalars of the whole job (the UI's "Model
-    # metrics" section); the start-up phases are a table, not eleven one-bar charts.
-    tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
-                                       **({"startup_s": startup["total_s"]} if startup else {})},
-                         step)
-    for ev in events:  # at the step training resumed from: on the loss curve's axis
-        if "recovery_s" in ev:
-            tracking.log_metrics(uri, run_id, {"recovery_s": ev["recovery_s"]},
-                                 ev.get("resumed_at_step", 0))
-    if events:
-        tracking.log_table(uri, run_id, [_event_row(e) for e in events], "events/recovery.json")
-    if startup:
-        started = tracking.iso_time(marks.get("process_start", t0))
-        tracking.log_table(uri, run_id, [
-            {"phase": k.removesuffix("_s"), "seconds": v, "submission_started": started}
-            for k, v in startup.items()], "startup.json")
-    metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
-    summary = Summary(
-        run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
-        metrics=dict(sorted(metrics.items())), steps=step, epochs=int(progress.get("epoch", 0)),
-        wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
-        restarts=int(counters.get("restarts", 0)), goodput=gp, events=events, startup=startup,
-        checkpoint_path=ckpt.path if ckpt is not None else None,
-        mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
-        skipped_steps=int(counters.get("skipped_steps", 0)),
-        epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
-        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")},
-        model_id=model_id)
-    tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
-    tracking.finish_run(uri, run_id, ok=True)
-    return summary
-
-
-def _event_row(ev: dict) -> dict:
-    """A restart event as a table row: its time as ISO text (never a number of seconds
-    since the epoch), the cause, the world sizes, recovery and recomputed steps."""
-    row = {"index": ev.get("index"), "type": ev.get("type"), "time": tracking.iso_time(ev["t"]),
-           "cause": ev.get("cause", ""), "world_size_before": ev.get("world_size_before"),
-           "world_size_after": ev.get("world_size_after"),
-           "resumed_at_step": ev.get("resumed_at_step"), "recovery_s": ev.get("recovery_s"),
-           "steps_recomputed": ev.get("steps_recomputed")}
-    row.update({k: v for k, v in ev.items() if k not in row and k != "t"})
-    return row
-
-
-def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, sample,
-                      step: int) -> Optional[str]:
-    """Rebuild the job's model from its task, load rank 0's final weights and log it as
-    an MLflow PyTorch model; its signature comes from one forward call on the val sample
-    row. A model that cannot be rebuilt or pickled is reported and skipped (the plain
-    ``model/state.pt`` is there either way)."""
-    import sys
-
-    import torch
-
-    from elastic_ddp.tasks.loading import build_model
-
-    try:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, task)
-        model.load_state_dict(weights)
-        model.eval()
-        example = _forward_example(model, task, sample)
-        return tracking.log_model(uri, run_id, model, example, step)
-    except Exception as e:  # noqa: BLE001 - the run's other records matter more
-        print(f"elastic-ddp: warning: the final model was not logged as an MLflow model "
-              f"({type(e).__name__}: {str(e)[:300]}); model/state.pt holds its weights",
-              file=sys.stderr, flush=True)
-        return None
-
-
-def _forward_example(model, task, sample) -> Optional[tuple]:
-    """(input, output) of the model's forward on one sample row, seen through a forward
-    hook while the task evaluates it (the task decides how a batch reaches the model);
-    None unless both are single tensors."""
-    import torch
-
-    if not sample or "val" not in sample:
-        return None
-    seen: list = []
-    handle = model.register_forward_hook(lambda m, args, out: seen.append((args, out)))
-    try:
-        with torch.no_grad():
-            task.evaluate(model, task.collate(sample["val"]))
-    except Exception:  # noqa: BLE001 - no signature then
-        return None
-    finally:
-        handle.remove()
-    if not seen:
-        return None
-    args, out = seen[0]
-    if len(args) == 1 and torch.is_tensor(args[0]) and torch.is_tensor(out):
-        return args[0], out
-    return None
-
-
-def process_start_time() -> Optional[float]:
-    """This process's start (seconds since the epoch) from /proc (Linux), so that the
-    interpreter's start and the imports count in command-to-first-step; None elsewhere."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                     if ln.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def _report_skipped(train_info, val_info) -> dict[str, list[str]]:
-    """Print once what the scan did not read (hidden entries, non-Parquet files, a
-    directory reached twice through symlinks), and return it for the MLflow run."""
-    out = {}
-    for split, info in (("train", train_info), ("val", val_info)):
-        if info is not None and info.skipped:
-            out[split] = list(info.skipped)
-            shown = "\n".join(f"  {s}" for s in info.skipped[:20])
-            more = f"\n  ... and {len(info.skipped) - 20} more" if len(info.skipped) > 20 else ""
-            print(f"elastic-ddp: {split} data {info.path}: {len(info.files)} Parquet file(s) read; "
-                  f"{len(info.skipped)} entr{'y' if len(info.skipped) == 1 else 'ies'} not read:\n"
-                  f"{shown}{more}", flush=True)
-    return out

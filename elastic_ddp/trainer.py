@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Optional
 
 import numpy as np
@@ -33,64 +33,10 @@ from elastic_ddp.ledger import LedgerWriter
 from elastic_ddp.metrics import StepWindow, gradient_bytes
 from elastic_ddp.parallel import build_strategy
 from elastic_ddp.tasks.loading import build_model
+from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
+                                   Progress, StepError)
 from elastic_ddp.tracking import TrackerClient
 
-class StepError(RuntimeError):
-    """An exception raised inside a training step, tagged with the step so the controller
-    can tell a deterministic error (same step, same message, every attempt) from a
-    failure worth a restart."""
-
-
-class NonFiniteError(RuntimeError):
-    """``train.max_nonfinite_steps`` consecutive steps had a non-finite gradient."""
-
-
-class DataChangedError(CheckpointError):
-    """The checkpoint was written on other data than the job now reads."""
-
-
-@dataclass
-class Progress:
-    """Where the run is: optimizer steps done, the epoch, the global position in it
-    (``cursor``, samples) and samples consumed over the run."""
-
-    step: int = 0
-    epoch: int = 0
-    cursor: int = 0
-    samples_seen: int = 0
-
-
-@dataclass
-class Counters:
-    """Run-wide counters that travel in the checkpoint (seconds are wall-clock)."""
-
-    committed_train_s: float = 0.0    # step time of steps covered by a checkpoint
-    uncommitted_train_s: float = 0.0  # step time since the last checkpoint (lost on failure)
-    restarts: int = 0
-    world_sizes_seen: list[int] = field(default_factory=list)
-    skipped_steps: int = 0            # steps whose gradient was not finite
-    skipped_samples: int = 0
-
-
-@dataclass
-class JobSpec:
-    """What the driver hands every worker (``train_loop_config``): small and picklable.
-
-    ``sample``: ``{"train": row, "val": row}``, one transformed row of each split from
-    the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
-    rank whose share is empty. ``ledger_dir`` and ``fault`` are test hooks.
-    """
-
-    config: dict
-    task: Any
-    train: Any
-    val: Any
-    tracker: Any
-    t0: float
-    sample: dict
-    storage: str = ""
-    ledger_dir: Optional[str] = None
-    fault: Optional[dict] = None
 
 
 class Trainer:

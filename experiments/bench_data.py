@@ -19,7 +19,8 @@ Columns: data set size; command to first step (seconds from the job's start, in 
 process, to the end of step 1); peak RSS per worker (VmHWM, max over ranks and
 attempts); bytes per rank (elastic: what its epoch plan reads per rank over a whole
 epoch, the bound of issue #11: <= 1.1 x data/N + one window; plain: not planned, it
-streams); samples/s at steady state (steps 6..kill, the slowest rank); data-wait share
+streams); samples/s at steady state (steps kill/2..kill, the slowest rank: past the
+first windows every partition's reader fetches at the start); data-wait share
 of step time; recovery seconds from the kill to the first step after it; and for the
 elastic run, the ledger audit (samples lost/repeated). Then the time to open a reader
 at cursor 0, mid-epoch and 90% into the epoch of the largest set (no training).
@@ -100,7 +101,7 @@ def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     uri, rid = cfg.run.tracking_uri, s.run_id
     hist = {k: metric_history(uri, rid, metric_key(k))
             for k in ("peak_mem_mib_max", "samples_per_s", "data_wait_frac")}
-    steady = lambda k: [v for st, v in hist[k] if 5 < st < kill_at]  # noqa: E731
+    steady = lambda k: [v for st, v in hist[k] if kill_at // 2 < st < kill_at]  # noqa: E731
     _, info, _, _ = prepare(cfg)
     order = epoch_order(info, cfg, 0)
     from elastic_ddp.data.ingest import _bytes
@@ -169,7 +170,7 @@ def _plain_train_func(config: dict) -> None:
         now = time.perf_counter()
         if step == 1:
             first.write_text(str(time.time()))
-        if 5 < step < config["kill_at"]:
+        if config["kill_at"] // 2 < step < config["kill_at"]:
             t_wait += t_data - t
             t_step += now - t
             times.append(now - t)
@@ -236,8 +237,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="0.4,2,8", help="GB of Parquet per data set")
     ap.add_argument("--out", default="data/bench_data")
-    ap.add_argument("--steps", type=int, default=45)
-    ap.add_argument("--kill-at", type=int, default=26)
+    ap.add_argument("--steps", type=int, default=140)
+    ap.add_argument("--kill-at", type=int, default=100)
     ap.add_argument("--only", default="elastic,plain")
     args = ap.parse_args()
 

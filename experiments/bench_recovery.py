@@ -137,7 +137,8 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     from elastic_ddp.ledger import audit
 
     cfg = Config.load(ROOT / CONFIG, [
-        f"train.max_steps={steps}", f"train.checkpoint_every_steps={ckpt_every}",
+        # As many epochs as it takes: max_steps ends the job, as it ends torchrun's.
+        f"train.max_steps={steps}", "train.epochs=1000", f"train.checkpoint_every_steps={ckpt_every}",
         "train.log_every_steps=10", "scaling.min_workers=1", "scaling.max_workers=2",
         "scaling.cpus_per_worker=2", "scaling.torch_threads=1", "scaling.max_failures=-1",
         "scaling.health_check_interval_s=0.2", "batch.policy=uneven",
@@ -175,12 +176,15 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
         back = [min((r["t"] for _, recs in rank0 for r in recs if r["t"] > k["t"]), default=float("nan")) - k["t"]
                 for k in kills]
         gaps = [_longest_gap(sorted(r["t"] for _, recs in rank0 for r in recs))]
-    rep = audit(tmp / "ledger", read_sample_ids(ROOT / "data/pycode_bench/train"), 1)
-    e = rep["epochs"][0]
+    ids = read_sample_ids(ROOT / "data/pycode_bench/train")
+    n_epochs = -(-s.steps * 32 // len(ids))
+    rep = audit(tmp / "ledger", ids, range(n_epochs))
+    done = [e for ep, e in rep["epochs"].items() if ep < n_epochs - 1]  # whole epochs
+    rep_n = sum(e["repeated"] for e in rep["epochs"].values())
+    lost_n = sum(e["lost"] for e in done)
     return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
             "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
-            "samples": f"{e['repeated']} repeated, {len(e['committed_ids'])} used of "
-                       f"{s.steps * 32} (committed steps x 32)"}
+            "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
 
 def main() -> int:

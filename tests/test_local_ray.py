@@ -67,6 +67,7 @@ def test_listener_check_agrees_with_ss():
         s.close()
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_init_local_ray_listens_on_loopback_only():
     """Plain ``ray.init(address="local")`` (what the launcher and the fixtures do today)

@@ -122,7 +122,7 @@ def _replay_loop(cfg: Config, orders, x, y, pos) -> tuple[list[float], torch.nn.
 
 
 def _check_run_reads_well(client, run, summary, cfg: Config, data: Path, tmp: Path) -> None:
-    """The finished job's MLflow run as the MLflow 3 UI shows it (see tracking.py)."""
+    """The finished job's MLflow run as the MLflow 3 UI shows it (see elastic_ddp/tracking/)."""
     import json
     import subprocess
 

@@ -19,8 +19,10 @@ pieces (only the task's columns), cast to the scanned schema, rows permuted.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import threading
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -35,6 +37,8 @@ SEQ = "_edp_seq"  # bookkeeping column: which read item a row came from
 # Read/transform tasks in flight per rank: two keep one window decoding while the trainer
 # consumes the other (a window is thousands of rows, many steps' worth).
 READ_TASKS = 2
+# Object-store bytes a rank's pipeline may read ahead (data.read_ahead_mib's default).
+READ_AHEAD_BYTES = 256 * 2**20
 
 
 class TransformError(DataError):
@@ -113,10 +117,13 @@ class _Transform:
 
 
 def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, epoch: int,
-             split: str, local: bool = False) -> Iterator[dict[str, np.ndarray]]:
+             split: str, local: bool = False,
+             read_ahead_bytes: float = READ_AHEAD_BYTES) -> Iterator[dict[str, np.ndarray]]:
     """Numpy batches of ``windows`` (in that order) after the task's transform, read and
-    transformed by Ray Data. ``local=True`` runs the same read and transform functions in
-    this process instead, one window at a time (the reader logic tested without Ray)."""
+    transformed by Ray Data, at most ``read_ahead_bytes`` of object-store memory ahead of
+    the consumer (``data.read_ahead_mib``). ``local=True`` runs the same read and transform
+    functions in this process instead, one window at a time (the reader logic tested
+    without Ray)."""
     transform = _Transform(task, seed, epoch, split, info.id_column)
     if local:
         from ray.data.block import BlockAccessor
@@ -131,6 +138,12 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
     ctx.execution_options.locality_with_output = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    # Ray Data's own budget is a share of the whole object store: on a large data set it
+    # reads the rank's epoch ahead for as long as that lasts (spilling to disk), on the
+    # cores training runs on. The cap stops reading a few windows ahead; Ray Data still
+    # runs one task per operator when a single window is larger than the cap.
+    ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+        object_store_memory=float(read_ahead_bytes))
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     if not windows:
         return iter(())
@@ -173,20 +186,79 @@ def _take(arrays: dict[str, np.ndarray], idx) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------------- readers
+class _Background:
+    """``fn()`` in a daemon thread; ``result()`` waits for it and re-raises its error."""
+
+    def __init__(self, fn):
+        self._out: list = []
+        self._err: list = []
+
+        def run():
+            try:
+                self._out.append(fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised in result()
+                self._err.append(e)
+
+        self._thread = threading.Thread(target=run, name="elastic-ddp-read", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._err:
+            raise self._err[0]
+        return self._out[0]
+
+
 class WindowedReader:
     """This rank's rows of the steps of one epoch, windowed order."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
-                 world_size: int, cursor: int, local: bool = False):
+                 world_size: int, cursor: int, local: bool = False,
+                 read_ahead_bytes: float = READ_AHEAD_BYTES):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.windows = order.rank_windows(rank, world_size, cursor)
         self.bytes_read = _bytes(info, self.windows)
-        self._it = iter(pipeline(info, task, self.windows, order.seed, order.epoch, "train", local))
+        self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
+        # Windows are read a round at a time (one per owned partition: the steps use the
+        # partitions in lockstep), the next round in a background thread while this one
+        # is used. Ray Data's executor then runs only while a round is read: a live
+        # executor polls in a loop (GIL and CPU taken from training) for as long as any
+        # of its output is unconsumed, i.e. the whole epoch for one long pipeline.
+        self._round = max(1, len({w.partition for w in self.windows}))
+        self._read_at = 0
+        self._ready: collections.deque = collections.deque()
+        self._pending: Optional[_Background] = None
         self._next = 0                                  # next window seq to complete
         self._partial: list[dict[str, np.ndarray]] = []
         self._have = 0
         self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
         self.template: Optional[dict] = None
+
+    def _read_round(self) -> Optional["_Background"]:
+        if self._read_at >= len(self.windows):
+            return None
+        a = self._read_at
+        b = self._read_at = min(len(self.windows), a + self._round)
+        info, task, seed, epoch, local, ahead = self._source
+
+        def read() -> list[dict[str, np.ndarray]]:
+            out = []
+            for batch in pipeline(info, task, self.windows[a:b], seed, epoch, "train", local, ahead):
+                batch[SEQ] = batch[SEQ] + a
+                out.append(batch)
+            return out
+
+        return _Background(read)
+
+    def _next_batch(self) -> dict[str, np.ndarray]:
+        if not self._ready:
+            if self._pending is None:
+                self._pending = self._read_round()
+            if self._pending is None:
+                raise StopIteration
+            self._ready.extend(self._pending.result())
+            self._pending = self._read_round()
+        return self._ready.popleft()
 
     def take(self, cursor: int, n_rows: int) -> dict[str, np.ndarray]:
         """Rows of this rank in the step over global positions ``[cursor, cursor + n)``,
@@ -213,7 +285,7 @@ class WindowedReader:
         if self._next >= len(self.windows):
             raise RuntimeError("the epoch's pipeline ended before this rank's rows did (a bug)")
         try:
-            batch = next(self._it)
+            batch = self._next_batch()
         except StopIteration:
             raise RuntimeError(f"the data pipeline ended after {self._next} of "
                                f"{len(self.windows)} windows") from None
@@ -307,7 +379,8 @@ def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size:
         reader = PermutationReader(info, task, order, rank, world_size, cursor,
                                    global_batch_size, rows_per_rank, local)
     else:
-        reader = WindowedReader(info, task, order, rank, world_size, cursor, local)
+        reader = WindowedReader(info, task, order, rank, world_size, cursor, local,
+                                cfg.data.read_ahead_mib * 2**20)
     if template is not None:
         reader.template = {k: v[:0] for k, v in template.items()}
     return order, reader

@@ -1,0 +1,159 @@
+"""The end of a job on the driver: the final model, goodput, recovery and start-up
+tables into the job's MLflow run, and the summary the CLI prints."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from elastic_ddp import tracking
+from elastic_ddp.config import Config
+from elastic_ddp.report import Summary, goodput, mlflow_ui_command, recovery_events, startup_breakdown
+
+
+def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
+               ledger_dir: Optional[str], marks: dict, task=None, sample=None, n_train: int = 1,
+               storage: str = "") -> Summary:
+    """Close a finished job: flush the tracker, read the newest complete checkpoint, log
+    the final model (``model/state.pt`` and an MLflow PyTorch model), goodput, wall
+    seconds, start-up and recovery tables into the run, mark it FINISHED, and return the
+    :class:`~elastic_ddp.report.Summary`. ``t0``: the job's start (seconds since the
+    epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run)."""
+    import ray
+
+    from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
+
+    # close: the system-metrics monitor stops and writes its last samples, then a flush.
+    ray.get(tracker.close.remote(60), timeout=90)
+    snap = ray.get(tracker.snapshot.remote())
+    run = tracking.run_info(uri, run_id)
+    # The job's wall time runs from its MLflow run's first start: a resubmitted job's
+    # committed seconds span every submission, and so must the time they are divided by.
+    wall = time.time() - min(t0, run.info.start_time / 1000.0)
+    attempts = None
+    if ledger_dir:
+        from elastic_ddp.ledger import LedgerError, read_attempts
+
+        try:
+            attempts = read_attempts(ledger_dir)
+        except LedgerError:
+            attempts = None
+    events = recovery_events(snap, attempts)
+    startup = startup_breakdown(snap, marks)
+    state: dict = {}
+    ckpt = result.checkpoint
+    model_id = None
+    # A newer complete one in storage: written by a partial per-step quorum, or persisted
+    # by a worker just before the controller stopped polling.
+    newer = newest_complete(storage, cfg.run.name, checkpoint_step(ckpt.path) if ckpt else -1) \
+        if storage else None
+    ckpt = newer or ckpt
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = load_state(d)
+            # The final model, loadable in plain PyTorch (no DDP "module." prefix).
+            tracking.log_artifact(uri, run_id, str(Path(d) / "state.pt"), "model")
+            tracking.log_artifact(uri, run_id, str(Path(d) / "config.json"), "model")
+    counters = state.get("counters", {})
+    progress = state.get("progress", {})
+    gp = goodput(counters.get("committed_train_s", 0.0), wall)
+    step = int(progress.get("step", 0))
+    if state.get("model") is not None and task is not None:
+        model_id = _log_mlflow_model(cfg, uri, run_id, task, state["model"], sample, step)
+    # One value each, at the last step: scalars of the whole job (the UI's "Model
+    # metrics" section); the start-up phases are a table, not eleven one-bar charts.
+    tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
+                                       **({"startup_s": startup["total_s"]} if startup else {})},
+                         step)
+    for ev in events:  # at the step training resumed from: on the loss curve's axis
+        if "recovery_s" in ev:
+            tracking.log_metrics(uri, run_id, {"recovery_s": ev["recovery_s"]},
+                                 ev.get("resumed_at_step", 0))
+    if events:
+        tracking.log_table(uri, run_id, [_event_row(e) for e in events], "events/recovery.json")
+    if startup:
+        started = tracking.iso_time(marks.get("process_start", t0))
+        tracking.log_table(uri, run_id, [
+            {"phase": k.removesuffix("_s"), "seconds": v, "submission_started": started}
+            for k, v in startup.items()], "startup.json")
+    metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
+    summary = Summary(
+        run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
+        metrics=dict(sorted(metrics.items())), steps=step, epochs=int(progress.get("epoch", 0)),
+        wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
+        restarts=int(counters.get("restarts", 0)), goodput=gp, events=events, startup=startup,
+        checkpoint_path=ckpt.path if ckpt is not None else None,
+        mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
+        skipped_steps=int(counters.get("skipped_steps", 0)),
+        epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
+        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")},
+        model_id=model_id)
+    tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
+    tracking.finish_run(uri, run_id, ok=True)
+    return summary
+
+
+def _event_row(ev: dict) -> dict:
+    """A restart event as a table row: its time as ISO text (never a number of seconds
+    since the epoch), the cause, the world sizes, recovery and recomputed steps."""
+    row = {"index": ev.get("index"), "type": ev.get("type"), "time": tracking.iso_time(ev["t"]),
+           "cause": ev.get("cause", ""), "world_size_before": ev.get("world_size_before"),
+           "world_size_after": ev.get("world_size_after"),
+           "resumed_at_step": ev.get("resumed_at_step"), "recovery_s": ev.get("recovery_s"),
+           "steps_recomputed": ev.get("steps_recomputed")}
+    row.update({k: v for k, v in ev.items() if k not in row and k != "t"})
+    return row
+
+
+def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, sample,
+                      step: int) -> Optional[str]:
+    """Rebuild the job's model from its task, load rank 0's final weights and log it as
+    an MLflow PyTorch model; its signature comes from one forward call on the val sample
+    row. A model that cannot be rebuilt or pickled is reported and skipped (the plain
+    ``model/state.pt`` is there either way)."""
+    import sys
+
+    import torch
+
+    from elastic_ddp.tasks.loading import build_model
+
+    try:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, task)
+        model.load_state_dict(weights)
+        model.eval()
+        example = _forward_example(model, task, sample)
+        return tracking.log_model(uri, run_id, model, example, step)
+    except Exception as e:  # noqa: BLE001 - the run's other records matter more
+        print(f"elastic-ddp: warning: the final model was not logged as an MLflow model "
+              f"({type(e).__name__}: {str(e)[:300]}); model/state.pt holds its weights",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _forward_example(model, task, sample) -> Optional[tuple]:
+    """(input, output) of the model's forward on one sample row, seen through a forward
+    hook while the task evaluates it (the task decides how a batch reaches the model);
+    None unless both are single tensors."""
+    import torch
+
+    if not sample or "val" not in sample:
+        return None
+    seen: list = []
+    handle = model.register_forward_hook(lambda m, args, out: seen.append((args, out)))
+    try:
+        with torch.no_grad():
+            task.evaluate(model, task.collate(sample["val"]))
+    except Exception:  # noqa: BLE001 - no signature then
+        return None
+    finally:
+        handle.remove()
+    if not seen:
+        return None
+    args, out = seen[0]
+    if len(args) == 1 and torch.is_tensor(args[0]) and torch.is_tensor(out):
+        return args[0], out
+    return None

@@ -1,0 +1,130 @@
+"""What the driver checks before Ray or MLflow starts (every input error surfaces here,
+exit 2): the task and its dry run, both splits' footers, storage, ``RAY_ADDRESS``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from elastic_ddp.config import Config
+
+
+def check_ray_address() -> None:
+    """Refuse a ``RAY_ADDRESS`` nothing answers at, before anything starts: ``ray.init``
+    would wait for its GCS for minutes without saying why.
+
+    Raises:
+        ConfigError: ``host:port`` (or ``ray://host:port``) refuses a TCP connection
+            within 5 s.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    from elastic_ddp.config import ConfigError
+
+    addr = os.environ.get("RAY_ADDRESS", "").strip()
+    if not addr or addr in ("auto", "local"):
+        return
+    parts = urlsplit(addr if "://" in addr else f"tcp://{addr}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        return
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(
+            f"RAY_ADDRESS={addr}: nothing answers at {host}:{port} ({e.strerror or e}); start "
+            "the cluster first (ray start --head, or cluster/local_cluster.py start), point "
+            "RAY_ADDRESS at its GCS address, or unset RAY_ADDRESS to train on a local Ray") from None
+
+
+def prepare(cfg: Config, task=None):
+    """Everything that can be checked before Ray or MLflow starts: the task, both
+    splits' footers against the task's columns, and a dry run of the task on two rows.
+    Returns (task, train_info, val_info, sample).
+
+    Raises:
+        TaskError, DataError, ConfigError: see :func:`train`.
+    """
+    from elastic_ddp.data.ingest import epoch_order
+    from elastic_ddp.data.scan import DataError, scan_parquet
+    from elastic_ddp.tasks.loading import load_task, preflight
+
+    task = load_task(cfg, task)
+    cols = task.input_columns()
+    d = cfg.data
+    train_info = scan_parquet(d.train_path, cols, d.id_column)
+    val_info = scan_parquet(d.val_path, cols, d.id_column) if d.val_path else None
+    try:
+        epoch_order(train_info, cfg, 0)
+    except ValueError as e:
+        raise DataError(f"{d.train_path}: {e}") from None
+    sample = preflight(cfg, task, train_info, val_info)
+    check_storage(cfg)
+    return task, train_info, val_info, sample
+
+
+def check_storage(cfg: Config) -> None:
+    """A local ``run.storage_path`` must be a directory this process can create and write
+    (Ray Train's controller would otherwise die creating it, after the MLflow run opened).
+    URIs are left to their file system (credentials may live on the cluster only).
+
+    Raises:
+        ConfigError: the directory cannot be created or written, naming it and why.
+    """
+    from elastic_ddp.config import ConfigError
+    from elastic_ddp.paths import is_uri, local_path, uri_to_filesystem
+
+    path = cfg.run.storage_path
+    if is_uri(path):
+        if not path.lower().startswith("file:"):
+            return
+        try:  # a file:// URI with a raw '?' or '#', a host, a bad escape
+            path = uri_to_filesystem(path)[1]
+        except ValueError as e:
+            raise ConfigError(f"run.storage_path: {e}") from None
+    d = Path(local_path(path))
+    # Nothing is created here: the nearest existing ancestor must be a writable directory.
+    near = d
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    why = None
+    if not near.is_dir():
+        why = f"{near} is not a directory"
+    elif not os.access(near, os.W_OK | os.X_OK):
+        why = f"{near} is not writable by this user"
+    if why:
+        raise ConfigError(f"run.storage_path={cfg.run.storage_path!r}: cannot create or write {d} "
+                          f"({why}); choose a directory you can write, or a URI such as "
+                          "s3://bucket/runs")
+
+
+def process_start_time() -> Optional[float]:
+    """This process's start (seconds since the epoch) from /proc (Linux), so that the
+    interpreter's start and the imports count in command-to-first-step; None elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                     if ln.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _report_skipped(train_info, val_info) -> dict[str, list[str]]:
+    """Print once what the scan did not read (hidden entries, non-Parquet files, a
+    directory reached twice through symlinks), and return it for the MLflow run."""
+    out = {}
+    for split, info in (("train", train_info), ("val", val_info)):
+        if info is not None and info.skipped:
+            out[split] = list(info.skipped)
+            shown = "\n".join(f"  {s}" for s in info.skipped[:20])
+            more = f"\n  ... and {len(info.skipped) - 20} more" if len(info.skipped) > 20 else ""
+            print(f"elastic-ddp: {split} data {info.path}: {len(info.files)} Parquet file(s) read; "
+                  f"{len(info.skipped)} entr{'y' if len(info.skipped) == 1 else 'ies'} not read:\n"
+                  f"{shown}{more}", flush=True)
+    return out

@@ -1,0 +1,68 @@
+"""The state one run carries through checkpoints and restarts (:class:`Progress`,
+:class:`Counters`), what the driver hands every worker (:class:`JobSpec`), and the
+errors a rank raises. The checkpoint schema itself is ``Trainer.state_dict``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from elastic_ddp.checkpoint import CheckpointError
+
+
+class StepError(RuntimeError):
+    """An exception raised inside a training step, tagged with the step so the controller
+    can tell a deterministic error (same step, same message, every attempt) from a
+    failure worth a restart."""
+
+
+class NonFiniteError(RuntimeError):
+    """``train.max_nonfinite_steps`` consecutive steps had a non-finite gradient."""
+
+
+class DataChangedError(CheckpointError):
+    """The checkpoint was written on other data than the job now reads."""
+
+
+@dataclass
+class Progress:
+    """Where the run is: optimizer steps done, the epoch, the global position in it
+    (``cursor``, samples) and samples consumed over the run."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    samples_seen: int = 0
+
+
+@dataclass
+class Counters:
+    """Run-wide counters that travel in the checkpoint (seconds are wall-clock)."""
+
+    committed_train_s: float = 0.0    # step time of steps covered by a checkpoint
+    uncommitted_train_s: float = 0.0  # step time since the last checkpoint (lost on failure)
+    restarts: int = 0
+    world_sizes_seen: list[int] = field(default_factory=list)
+    skipped_steps: int = 0            # steps whose gradient was not finite
+    skipped_samples: int = 0
+
+
+@dataclass
+class JobSpec:
+    """What the driver hands every worker (``train_loop_config``): small and picklable.
+
+    ``sample``: ``{"train": row, "val": row}``, one transformed row of each split from
+    the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
+    rank whose share is empty. ``ledger_dir`` and ``fault`` are test hooks.
+    """
+
+    config: dict
+    task: Any
+    train: Any
+    val: Any
+    tracker: Any
+    t0: float
+    sample: dict
+    storage: str = ""
+    ledger_dir: Optional[str] = None
+    fault: Optional[dict] = None

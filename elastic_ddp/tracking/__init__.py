@@ -1,0 +1,16 @@
+"""MLflow, in one place: every MLflow call of the package is in this package.
+
+- :mod:`~elastic_ddp.tracking.store`: the tracking store, the job's run (open, reopen,
+  close), retries of a store that is down, metric names, plain logging calls;
+- :mod:`~elastic_ddp.tracking.content`: what a run holds besides metrics (params, tags,
+  description, data sets, the logged model);
+- :mod:`~elastic_ddp.tracking.tracker`: the job's tracker actor and the workers' client.
+
+Everything is re-exported here (``from elastic_ddp import tracking; tracking.open_run``).
+"""
+
+from elastic_ddp.tracking.store import *  # noqa: F401,F403
+from elastic_ddp.tracking.store import _display_rank, _transient  # noqa: F401
+from elastic_ddp.tracking.content import *  # noqa: F401,F403
+from elastic_ddp.tracking.tracker import *  # noqa: F401,F403
+from elastic_ddp.tracking.tracker import _attempts_so_far  # noqa: F401

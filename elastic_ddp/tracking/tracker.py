@@ -1,0 +1,330 @@
+"""The job's tracker actor (:class:`JobTracker`, one per job, holding the MLflow client
+across worker-group restarts), MLflow's system-metrics monitor inside it, and the
+workers' fire-and-forget :class:`TrackerClient`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Optional
+
+
+from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS, SYSTEM_METRICS_INTERVAL_S,
+                                        WORLD_SIZES_TAG, _display_rank, _transient, client,
+                                        metric_key, run_info)
+
+
+class JobTracker:
+    """The job's MLflow writer and in-memory record; run as a Ray actor (``num_cpus=0``)
+    by :func:`start_tracker`. Methods are called by workers (rank 0), the controller's
+    callbacks and the driver.
+
+    Kept for the driver: ``latest`` metrics (progress), ``attempts`` (per worker-group
+    start: world size and the start-up marks ``enter``/``ready``/``first_step`` in
+    seconds since the epoch, and the first step), ``events`` (failures, resizes) and the
+    controller ``timeline``, and the write counters ``delayed``/``dropped``.
+    """
+
+    def __init__(self, uri: str, run_id: str, flush_period_s: float = 1.0,
+                 attempts_before: int = 0, world_sizes_before: Optional[list] = None,
+                 system_metrics: bool = True):
+        self.uri, self.run_id = uri, run_id
+        # Worker-group starts of this job in earlier submissions (the run's tags), so the
+        # restart count holds across resubmissions.
+        self._attempts = int(attempts_before)
+        self._world_sizes = [int(w) for w in (world_sizes_before or [])]
+        self._outage_since: Optional[float] = None
+        self.unavailable_s = 0.0
+        self._early_updates: dict[int, dict[str, Any]] = {}
+        self.latest: dict[str, float] = {}
+        self.attempts: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.delayed = self.dropped = 0
+        self.last_error: Optional[str] = None
+        self._metrics: list[tuple[str, float, int, int]] = []
+        self._tags: dict[str, str] = {}
+        self._artifacts: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._period = flush_period_s
+        self._client = None
+        self._written = self._requested = 0
+        threading.Thread(target=self._loop, name="mlflow-writer", daemon=True).start()
+        self._sysmon = start_system_metrics(uri, run_id) if system_metrics else None
+
+    # -- calls from workers, controller and driver -----------------------------------
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Raw names (``train_loss``, ``step``...) in ``latest``; written to MLflow under
+        :func:`metric_key`."""
+        ts = int(time.time() * 1000)
+        with self._lock:
+            for k, v in metrics.items():
+                key = metric_key(k)
+                if key is not None:
+                    self._metrics.append((key, float(v), ts, int(step)))
+                self.latest[k] = float(v)
+            if len(self._metrics) > MAX_BUFFERED_METRICS:
+                extra = len(self._metrics) - MAX_BUFFERED_METRICS
+                del self._metrics[:extra]
+                self.dropped += extra
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        with self._lock:
+            self._tags.update({k: str(v) for k, v in tags.items()})
+
+    def start_attempt(self, world_size: int) -> dict[str, Any]:
+        """A worker group's rank 0 starts (restored its checkpoint): count it. Returns
+        ``{"attempts": starts of this job so far, this one included, "world_sizes": their
+        world sizes}``; also kept as the run's tags for a resubmission."""
+        with self._lock:
+            self._attempts += 1
+            self._world_sizes.append(int(world_size))
+            self._tags[ATTEMPTS_TAG] = str(self._attempts)
+            self._tags[WORLD_SIZES_TAG] = json.dumps(self._world_sizes)
+            return {"attempts": self._attempts, "world_sizes": list(self._world_sizes)}
+
+    def attempt(self, **marks: Any) -> None:
+        """A worker group (re)started: rank 0 reports its world size and ``enter``/``ready``
+        marks; ``first_step`` marks (with ``step``) update the newest attempt."""
+        with self._lock:
+            if "enter" in marks or not self.attempts:
+                self.attempts.append(dict(marks))
+            else:
+                self.attempts[-1].update(marks)
+
+    def event(self, event: Optional[dict[str, Any]] = None, timeline: Optional[dict] = None) -> None:
+        """Record a controller event (failure, resize) or a timeline mark; both lists are
+        written as artifacts (``events/events.json``, ``events/timeline.json``)."""
+        with self._lock:
+            if event is not None:
+                # The newest step logged before the event: a lower bound of how far the
+                # failed attempt got (recomputed steps; exact from the ledger).
+                event.setdefault("last_step_seen", int(self.latest.get("step", 0)))
+                # A threaded actor may run the controller's calls out of order: an update
+                # can arrive before its event, and events before earlier ones.
+                event.update(self._early_updates.pop(event.get("index"), {}))
+                self.events.append(event)
+                self.events.sort(key=lambda e: e.get("index", 0))
+            if timeline is not None:
+                self.timeline.append(timeline)
+            self._artifacts["events/events.json"] = json.dumps(self.events, indent=1)
+            self._artifacts["events/timeline.json"] = json.dumps(self.timeline, indent=1)
+
+    def update_event(self, index: int, fields: dict[str, Any]) -> None:
+        with self._lock:
+            ev = next((e for e in self.events if e.get("index") == index), None)
+            if ev is None:
+                self._early_updates.setdefault(index, {}).update(fields)
+                return
+            ev.update(fields)
+            self._artifacts["events/events.json"] = json.dumps(self.events, indent=1)
+
+    def progress(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.latest)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"latest": dict(self.latest), "attempts": [dict(a) for a in self.attempts],
+                    "events": [dict(e) for e in self.events], "timeline": list(self.timeline),
+                    "delayed": self.delayed, "dropped": self.dropped,
+                    "pending": len(self._metrics), "last_error": self.last_error,
+                    "unavailable_s": round(self.unavailable_s + (
+                        time.time() - self._outage_since if self._outage_since else 0.0), 1)}
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything sent so far is written; False when the store is still
+        failing after ``timeout_s`` (the rest stays buffered)."""
+        with self._cv:
+            self._requested += 1
+            target = self._requested
+            self._cv.notify_all()
+            return self._cv.wait_for(lambda: self._written >= target, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the system-metrics monitor (its last samples written) and flush; the
+        driver calls it before it closes the run."""
+        if self._sysmon is not None:
+            try:
+                self._sysmon.finish()
+            except Exception:  # noqa: BLE001 - monitoring must never fail the job
+                pass
+            self._sysmon = None
+        return self.flush(timeout_s)
+
+    # -- the writer thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff = self._period
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._requested > self._written, timeout=backoff)
+                target = self._requested
+                metrics, tags, arts = self._metrics, self._tags, self._artifacts
+                self._metrics, self._tags, self._artifacts = [], {}, {}
+            t_try = time.time()
+            try:
+                self._write(metrics, tags, arts)
+                backoff = self._period
+                with self._cv:
+                    self._written = max(self._written, target)
+                    if self._outage_since is not None:
+                        # Everything in the batch that ends an outage waited for it (the
+                        # failed batches are re-queued into it): each value counts once.
+                        self.delayed += len(metrics)
+                        self.unavailable_s += time.time() - self._outage_since
+                        print(f"elastic-ddp tracker: MLflow store back after "
+                              f"{time.time() - self._outage_since:.0f} s; {len(metrics)} delayed "
+                              "metric values written", flush=True)
+                        self._outage_since = None
+                    self._cv.notify_all()
+            except Exception as e:  # noqa: BLE001 - the store is down or locked: retry later
+                if not _transient(e):
+                    # The store refuses something in the batch (a metric name it does not
+                    # allow, a value too long): retrying would block every later metric.
+                    metrics, tags, arts = self._drop_refused(metrics, tags, arts)
+                    if not (metrics or tags or arts):
+                        with self._cv:
+                            self._written = max(self._written, target)
+                            self._cv.notify_all()
+                        continue
+                with self._cv:
+                    self._metrics[:0] = metrics
+                    self._tags = {**tags, **self._tags}
+                    self._artifacts = {**arts, **self._artifacts}
+                    self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
+                    if self._outage_since is None:
+                        self._outage_since = t_try
+                        print(f"elastic-ddp tracker: warning: MLflow store unavailable "
+                              f"({self.last_error[:200]}); buffering metrics and retrying", flush=True)
+                backoff = min(10.0, backoff * 2)
+
+    def _drop_refused(self, metrics, tags, arts):
+        """Write each metric key, tag and artifact on its own; drop (count, warn) what the
+        store refuses. Returns what is left when a transient error interrupts."""
+        items = ([("metric", k, [m for m in metrics if m[0] == k]) for k in dict.fromkeys(m[0] for m in metrics)]
+                 + [("tag", k, v) for k, v in tags.items()] + [("artifact", k, v) for k, v in arts.items()])
+        for i, (kind, key, value) in enumerate(items):
+            try:
+                if kind == "metric":
+                    self._write(value, {}, {})
+                else:
+                    self._write([], {key: value} if kind == "tag" else {}, {key: value} if kind == "artifact" else {})
+            except Exception as e:  # noqa: BLE001 - sorted out below
+                if _transient(e):
+                    rest = items[i:]
+                    return ([m for kd, _, v in rest if kd == "metric" for m in v],
+                            {k: v for kd, k, v in rest if kd == "tag"},
+                            {k: v for kd, k, v in rest if kd == "artifact"})
+                n = len(value) if kind == "metric" else 1
+                with self._lock:
+                    self.dropped += n if kind == "metric" else 0
+                    self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"elastic-ddp tracker: warning: MLflow refused {kind} {key!r} ({n} value(s) "
+                      f"dropped): {str(e).splitlines()[0][:300]}", flush=True)
+        return [], {}, {}
+
+    def _write(self, metrics, tags, arts) -> None:
+        if not (metrics or tags or arts):
+            return
+        from mlflow.entities import Metric, RunTag
+
+        if self._client is None:
+            self._client = client(self.uri)
+        # train/ and val/ first: the Overview's metrics table lists keys in the order the
+        # store first saw them.
+        metrics = sorted(metrics, key=lambda m: (_display_rank(m[0]), m[3], m[2]))
+        for i in range(0, len(metrics), 1000):
+            self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics[i:i + 1000]])
+        if tags:
+            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        for path, text in arts.items():
+            self._client.log_text(self.run_id, text, path)
+
+
+def start_system_metrics(uri: str, run_id: str, interval_s: float = SYSTEM_METRICS_INTERVAL_S):
+    """MLflow's ``SystemMetricsMonitor`` for the run (``system/*``: CPU %, memory, disk,
+    network, and GPU utilisation/memory/power when NVML finds a GPU), sampling this
+    machine every ``interval_s`` seconds until the run stops RUNNING or ``finish()``.
+    A resumed job's samples continue the run's system steps. None when psutil is
+    missing or the monitor cannot start (monitoring never stops a job)."""
+    import logging
+
+    try:
+        import psutil  # noqa: F401 - what MLflow's CPU, memory, disk and network monitors read
+    except ImportError:
+        return None
+    try:
+        import pynvml  # noqa: F401 - nvidia-ml-py: MLflow's GPU monitor (NVML), where a GPU is
+    except ImportError:
+        pass
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # Its "Started monitoring"/"Skip logging GPU metrics" INFO lines: the actor's log.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        mon = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
+                                   tracking_uri=uri)
+        mon.start()
+        return mon
+    except Exception:  # noqa: BLE001 - psutil missing, store unreachable
+        return None
+
+
+def start_tracker(uri: str, run_id: str, resumed: bool = False):
+    """The job's :class:`JobTracker` actor on this node (no CPU reserved), named after the
+    run so a restarted controller finds the same one. ``resumed``: the run is an earlier
+    submission's; its worker-group starts so far are read from the run's tags."""
+    import ray
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cls = ray.remote(num_cpus=0, max_concurrency=8)(JobTracker)
+    return cls.options(
+        name=f"elastic-ddp-tracker-{run_id}", get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                           soft=True),
+    ).remote(uri, run_id, **(_attempts_so_far(uri, run_id) if resumed else {}))
+
+
+def _attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:
+    tags = run_info(uri, run_id).data.tags
+    try:
+        return {"attempts_before": int(tags.get(ATTEMPTS_TAG, 0)),
+                "world_sizes_before": [int(w) for w in json.loads(tags.get(WORLD_SIZES_TAG, "[]"))]}
+    except (ValueError, TypeError):
+        return {}
+
+
+class TrackerClient:
+    """What a worker holds: fire-and-forget calls to the tracker actor; every method is a
+    no-op when ``enabled`` is False (all ranks but 0), so callers never branch on rank."""
+
+    def __init__(self, actor, enabled: bool = True):
+        self.actor = actor if enabled else None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.actor is not None:
+            self.actor.log_metrics.remote({k: float(v) for k, v in metrics.items()}, int(step))
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self.actor is not None:
+            self.actor.set_tags.remote(tags)
+
+    def attempt(self, **marks: Any) -> None:
+        if self.actor is not None:
+            self.actor.attempt.remote(**marks)
+
+    def start_attempt(self, world_size: int) -> Optional[dict[str, Any]]:
+        """Rank 0: count this worker-group start (``JobTracker.start_attempt``); None on
+        other ranks or when the tracker does not answer in 30 s."""
+        if self.actor is None:
+            return None
+        import ray
+
+        try:
+            return ray.get(self.actor.start_attempt.remote(int(world_size)), timeout=30)
+        except Exception:  # noqa: BLE001 - tracking never fails training
+            return None
+
