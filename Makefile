@@ -34,7 +34,7 @@ test: $(STAMP)
 # Every change: the tests that start no Ray cluster (config, batching, order, readers,
 # task protocol, data scan, strategies on gloo process groups), in about two minutes.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not ray and not slow" -q
+	$(PY) -m pytest -m "not ray and not slow" -q -n 2
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

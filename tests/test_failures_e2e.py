@@ -126,6 +126,8 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
 
 
 # ------------------------------------------------------------------- items 9 and 8
+# slow: 40 s; test_robustness holds the same 25 s lock on the tracker itself (default tier).
+@pytest.mark.slow
 def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_path, capsys):
     """Another process holds BEGIN EXCLUSIVE on the sqlite store for 25 s from step 3 on:
     the job finishes, every metric is in MLflow, the summary reports the delay. The CLI
@@ -216,6 +218,8 @@ def test_a_rank_killed_at_the_same_step_every_attempt_stops_after_two(ray_cluste
 
 
 # ------------------------------------------------------------------ items 7, 5, 3
+# slow: 40 s; the skip decision, its audit and the fingerprint check have Ray-free tests.
+@pytest.mark.slow
 def test_inf_steps_stop_then_a_resume_on_changed_data_is_refused_or_restarts_the_epoch(
         ray_cluster, tmp_path, capsys):
     """16 rows, 2 per step, fsdp, one validation row. Steps 3 and 4 hold inf rows: two

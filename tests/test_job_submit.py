@@ -233,6 +233,8 @@ def _documented_ray_job_submit() -> str:
     return " ".join(cmd)
 
 
+# slow: 30 s; test_submit_wait_trains_on_the_two_node_cluster submits on the same cluster.
+@pytest.mark.slow
 def test_documented_ray_job_submit_line_trains(cluster, digits_data, tmp_path):
     """The `ray job submit` line documented in cluster/runtime_env.yaml, run by bash from
     the root of a checkout with data/digits prepared: only the address is this test

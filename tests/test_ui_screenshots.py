@@ -48,6 +48,8 @@ def _finished_run(tmp: Path) -> tuple[str, str]:
     return uri, run_id
 
 
+# slow: 30 s of a real browser; the run's content is checked in test_tracking/test_train_e2e.
+@pytest.mark.slow
 def test_run_pages_show_loss_and_accuracy_first(tmp_path):
     uri, run_id = _finished_run(tmp_path)
     out = tmp_path / "shots"
