@@ -75,6 +75,7 @@ class Trainer:
         self._reader = self._order = None
         self._reader_key: Optional[tuple] = None
         self._reader_at = -1
+        self._parked: Optional[tuple] = None  # the last view's reader (ensure_reader)
         self._eval_names: Optional[list[str]] = None
 
     # ---------------------------------------------------------------- checkpoint schema
@@ -230,18 +231,32 @@ class Trainer:
 
     def ensure_reader(self, rank: int, ws: int) -> None:
         """This rank's reader for the epoch, (re)opened when the epoch, the data view or
-        the expected position changed."""
+        the expected position changed. The last view's windowed reader is kept: it can
+        serve any later cursor of its view, and per-step fault tolerance switches views
+        when the quorum shrinks and back when the replacement joins (a reopen costs a
+        round of window reads, one per owned partition). Costs one more view's windows
+        in memory while the quorum is short."""
         p = self.progress
         key = (p.epoch, rank, ws)
-        if self._reader is None or self._reader_key != key or self._reader_at != p.cursor:
-            t = time.perf_counter()
-            self._order, self._reader = open_train_reader(
-                self.job.train, self.task, self.cfg, rank, ws, p.epoch, p.cursor,
-                self.plan.global_batch_size,
-                list(self.plan.rows_per_rank) if ws == self.world_size else None,
-                template=self.job.sample["train"])
-            self._reader_key = key
-            self.window.data_s += time.perf_counter() - t
+        if self._reader is not None and self._reader_key == key and self._reader_at == p.cursor:
+            return
+        if self._reader is not None and self._reader_key != key and self._reader_key[0] == p.epoch:
+            self._parked = (self._reader_key, self._order, self._reader, self._reader_at)
+        parked = self._parked
+        if (parked is not None and parked[0] == key and self.cfg.data.order == "windowed"
+                and 0 <= parked[3] <= p.cursor):
+            self._parked = None
+            _, self._order, self._reader, _ = parked
+            self._reader_key, self._reader_at = key, p.cursor
+            return
+        t = time.perf_counter()
+        self._order, self._reader = open_train_reader(
+            self.job.train, self.task, self.cfg, rank, ws, p.epoch, p.cursor,
+            self.plan.global_batch_size,
+            list(self.plan.rows_per_rank) if ws == self.world_size else None,
+            template=self.job.sample["train"])
+        self._reader_key = key
+        self.window.data_s += time.perf_counter() - t
 
     def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this
