@@ -273,9 +273,9 @@ def start_system_metrics(uri: str, run_id: str, interval_s: float = SYSTEM_METRI
 
 
 def start_tracker(uri: str, run_id: str, resumed: bool = False):
-    """The job's :class:`JobTracker` actor on this node (no CPU reserved), named after the
-    run so a restarted controller finds the same one. ``resumed``: the run is an earlier
-    submission's; its worker-group starts so far are read from the run's tags."""
+    """The job's :class:`JobTracker` actor on the head node (no CPU reserved), named after
+    the run so a restarted controller finds the same one. ``resumed``: the run is an
+    earlier submission's; its worker-group starts so far are read from the run's tags."""
     import ray
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -283,9 +283,24 @@ def start_tracker(uri: str, run_id: str, resumed: bool = False):
     cls = ray.remote(num_cpus=0, max_concurrency=8)(JobTracker)
     return cls.options(
         name=f"elastic-ddp-tracker-{run_id}", get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                           soft=True),
+        # Hard affinity: with soft=True Ray placed it on a worker node when the head's
+        # worker processes were busy, and removing that node failed the job.
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
     ).remote(uri, run_id, **(_attempts_so_far(uri, run_id) if resumed else {}))
+
+
+def head_node_id() -> str:
+    """The Ray head node's id (the ``node:__internal_head__`` resource), else this
+    process's node. The tracker lives there: the head's loss ends the cluster anyway,
+    while any worker node may be removed mid-job. The driver's own node is not enough:
+    a driver connected to a multi-node cluster on one machine (``ray.cluster_utils``,
+    ``ray start`` several times) may be attached to a worker node's raylet."""
+    import ray
+
+    for n in ray.nodes():
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
+            return n["NodeID"]
+    return ray.get_runtime_context().get_node_id()
 
 
 def _attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:
