@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from typing import Any, Callable, Optional
 
 from elastic_ddp import tracking
+from elastic_ddp.background import Background
 from elastic_ddp.config import Config
 from elastic_ddp.finish import finish_job as _finish
 from elastic_ddp.preflight import (_report_skipped, check_ray_address, check_storage,  # noqa: F401
@@ -73,37 +73,6 @@ def _init_ray(cfg: Config) -> None:
         init_local_ray(num_cpus=max(need, os.cpu_count() or 1), **log_kw)
     if routing is not None:
         routing.attach()
-
-
-class _Background:
-    """``fn(*args)`` in a daemon thread; ``result()`` joins it and returns its value or
-    re-raises its exception in the caller's thread."""
-
-    def __init__(self, fn, *args):
-        self._out: list = []
-        self._err: list = []
-        self._done = threading.Event()
-
-        def run():
-            try:
-                self._out.append(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to result()
-                self._err.append(e)
-            finally:
-                self._done.set()
-
-        self._thread = threading.Thread(target=run, name="driver-setup", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        # An Event, not Thread.join: a Ctrl-C that interrupts join() marks the thread
-        # stopped while it still runs (CPython 3.11), and a second join() then returns
-        # before the result exists. A wait interrupted here can simply be waited again.
-        while not self._done.wait(0.5):
-            pass
-        if self._err:
-            raise self._err[0]
-        return self._out[0]
 
 
 def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[str],
@@ -228,7 +197,8 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     # ray.init mostly waits for its GCS and raylet processes to come up; the driver's own
     # set-up runs beside it in a thread (opening the MLflow run, importing Ray Train and
     # torch). Errors in the thread are re-raised here, after ray.init.
-    side = _Background(_driver_setup, cfg, storage, uri, parent_run_id, task, train_info, val_info)
+    side = Background(_driver_setup, cfg, storage, uri, parent_run_id, task, train_info, val_info,
+                      name="driver-setup")
     try:
         _init_ray(cfg)
         marks["ray_ready"] = time.time()

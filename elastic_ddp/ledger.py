@@ -34,7 +34,7 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -102,11 +102,7 @@ def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
         a.t = min(a.t, float(head["t"]))
         rows: list[tuple[int, int, np.ndarray]] = []
         skipped: set[int] = set()
-        for ln in lines[1:]:
-            try:
-                rec = json.loads(ln)
-            except json.JSONDecodeError:
-                continue  # torn final line of a killed rank
+        for rec in _records(lines[1:]):
             if "commit" in rec:
                 continue  # per-step ledgers: audit_per_step reads these
             rows.append((int(rec["epoch"]), int(rec["step"]), np.asarray(rec["ids"], np.int64)))
@@ -115,6 +111,16 @@ def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
         a.steps[int(head["rank"])] = rows
         a.skipped[int(head["rank"])] = skipped
     return sorted(attempts.values(), key=lambda a: a.t)
+
+
+def _records(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON records of a ledger file's lines after the header; a torn line (the last
+    write of a killed rank) is skipped."""
+    for ln in lines:
+        try:
+            yield json.loads(ln)
+        except json.JSONDecodeError:
+            continue
 
 
 def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable[int],
@@ -241,11 +247,7 @@ def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int |
         lines = f.read_text().splitlines()
         head = json.loads(lines[0])
         n_commit = 0
-        for ln in lines[1:]:
-            try:
-                rec = json.loads(ln)
-            except json.JSONDecodeError:
-                continue  # torn last line of a killed replica
+        for rec in _records(lines[1:]):
             if "commit" in rec:
                 commits[int(rec["commit"])].add(int(rec["quorum"]))
                 n_commit += 1

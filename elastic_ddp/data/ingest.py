@@ -22,13 +22,13 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import threading
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elastic_ddp.background import Background
 from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
 from elastic_ddp.data.scan import DataError, DatasetInfo
 from elastic_ddp.tasks.protocol import Task, TransformContext
@@ -186,29 +186,6 @@ def _take(arrays: dict[str, np.ndarray], idx) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------------- readers
-class _Background:
-    """``fn()`` in a daemon thread; ``result()`` waits for it and re-raises its error."""
-
-    def __init__(self, fn):
-        self._out: list = []
-        self._err: list = []
-
-        def run():
-            try:
-                self._out.append(fn())
-            except BaseException as e:  # noqa: BLE001 - re-raised in result()
-                self._err.append(e)
-
-        self._thread = threading.Thread(target=run, name="elastic-ddp-read", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if self._err:
-            raise self._err[0]
-        return self._out[0]
-
-
 class WindowedReader:
     """This rank's rows of the steps of one epoch, windowed order."""
 
@@ -227,14 +204,14 @@ class WindowedReader:
         self._round = max(1, len({w.partition for w in self.windows}))
         self._read_at = 0
         self._ready: collections.deque = collections.deque()
-        self._pending: Optional[_Background] = None
+        self._pending: Optional[Background] = None
         self._next = 0                                  # next window seq to complete
         self._partial: list[dict[str, np.ndarray]] = []
         self._have = 0
         self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
         self.template: Optional[dict] = None
 
-    def _read_round(self) -> Optional["_Background"]:
+    def _read_round(self) -> Optional[Background]:
         if self._read_at >= len(self.windows):
             return None
         a = self._read_at
@@ -248,7 +225,7 @@ class WindowedReader:
                 out.append(batch)
             return out
 
-        return _Background(read)
+        return Background(read, name="elastic-ddp-read")
 
     def _next_batch(self) -> dict[str, np.ndarray]:
         if not self._ready:
