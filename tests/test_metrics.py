@@ -161,6 +161,12 @@ def _two_rank_entry(rank: int, port: int, q) -> None:
     out: dict = {}
     _two_rank_body(rank, port, out)
     q.put((rank, out))
+    # Flush the queue, then leave without the interpreter's static destructors: gloo's
+    # C++ threads can still be joinable then, and std::terminate would abort (SIGABRT)
+    # a rank whose result is already sent.
+    q.close()
+    q.join_thread()
+    os._exit(0)
 
 
 def test_reduce_and_probe_allreduce_on_a_real_gloo_group():

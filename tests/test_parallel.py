@@ -7,6 +7,7 @@ The end-to-end Ray runs of every strategy live in experiments/strategies.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -99,6 +100,22 @@ def _train(strategy, cfg, steps, rank, ws, start_step=0, micro=2):
     return losses
 
 
+
+def _exits_cleanly(fn):
+    """Every spawned rank body ends with ``os._exit(0)`` once it returned: torch's C++
+    threads (gloo's) can still be joinable when the interpreter's static destructors run,
+    and std::terminate then aborts (SIGABRT) a rank whose work is done and saved. An
+    exception still propagates, so torch's spawn reports it as before."""
+    @functools.wraps(fn)
+    def run(*args):
+        fn(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return run
+
+
+@_exits_cleanly
 def _worker(rank, ws, port, job, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -122,12 +139,6 @@ def _worker(rank, ws, port, job, out_dir):
             torch.save({"losses": torch.tensor(losses), **state}, Path(out_dir) / job["save"])
     finally:
         dist.destroy_process_group()
-    # Torch's C++ threads (gloo's) can still be joinable when the interpreter's static
-    # destructors run, and std::terminate then aborts a process whose work is done and
-    # saved; leaving without those destructors keeps a finished rank's exit code 0.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _run(ws: int, job: dict, out_dir: Path) -> dict:
@@ -163,6 +174,7 @@ def test_strategy_matches_ddp(reference, tmp_path, strategy, hook, tol):
         assert len(got["comm_hook"]["error_dicts"]) == 2  # one residual per rank
 
 
+@_exits_cleanly
 def _probe_fsdp_reshard(rank, ws, port, out_dir):
     """After one forward (before backward), is a transformer block's weight still a
     sharded DTensor, for each setting of fsdp_keep_params_between_fwd_bwd?"""
@@ -243,6 +255,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 
 
+@_exits_cleanly
 def _checksum_worker(rank, ws, port, out_dir):
     from elastic_ddp.parallel import check_params_equal as _check_params_equal
 
@@ -351,6 +364,7 @@ def test_batchnorm_guard_batch_of_one():
     assert not all(torch.equal(b, m.running_mean) for b, m in zip(before, bns))
 
 
+@_exits_cleanly
 def _uneven_bn_worker(rank, ws, port, out_dir):
     """Rank 0 holds 3 rows, rank 1 one row; both take the guard's decision from the
     smallest slice (1), so neither enters SyncBatchNorm's collective and nothing hangs."""
