@@ -168,7 +168,8 @@ def per_step_trainer_class():
             seen = self.counters.world_sizes_seen
             self.counters.__dict__.update(Counters(**state["counters"]).__dict__)
             self.counters.world_sizes_seen = seen
-            self._reader_at = -1  # the position moved: reopen the reader
+            # The position moved forward: the reader warmed at the restored cursor
+            # (fit) serves it if it is in the same epoch (Trainer.ensure_reader).
 
         def state_dict(self) -> dict:
             return {**super().state_dict(), "torchft": self.ft.manager.state_dict()}
@@ -239,6 +240,13 @@ def per_step_trainer_class():
                 return
             self.ledger_mode = "per_step"
             try:
+                if not self.done and self.cfg.data.order == "windowed":
+                    # Read this rank's first round before joining a quorum: a replacement
+                    # then takes its share at once, and the survivors do not wait in their
+                    # all-reduce while it reads (a peer's state moves the cursor a few
+                    # steps on, within the windows read here).
+                    self.ensure_reader(self.rank, self.world_size)
+                    self._reader.warm()
                 super().fit()
             finally:
                 if self.marker is not None and self.done:

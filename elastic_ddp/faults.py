@@ -31,6 +31,10 @@ class Fault:
     - ``error``: rank r raises ``ValueError`` at step k on every attempt (a deterministic
       user error).
 
+    ``"step_s": t`` (any rank field): every rank's step takes at least ``t`` seconds
+    more, as a larger model's would: a test of what happens while a replacement starts
+    needs the others still training when it arrives.
+
     A ``step`` or ``checkpoint_write`` kill fires once per job: it creates ``marker``
     first and never fires while the marker exists (a restarted attempt passes step k
     again). ``error`` and ``kill_always`` ignore the marker for firing but create it
@@ -39,6 +43,7 @@ class Fault:
 
     def __init__(self, spec: Optional[dict], rank: int):
         self.spec = spec if spec and int(spec.get("rank", 0)) == rank else None
+        self.step_s = float((spec or {}).get("step_s", 0.0))
 
     def _arm(self, where: str, step: int) -> bool:
         s = self.spec
@@ -59,6 +64,8 @@ class Fault:
 
     def at_step(self, step: int) -> None:
         """Before computing ``step`` (counted from 1): kill or raise when armed here."""
+        if self.step_s:
+            time.sleep(self.step_s)
         if self._arm("error", step):
             raise ValueError(f"injected deterministic error at step {step}")
         if self._arm("step", step) or self._arm("kill_always", step):

@@ -37,6 +37,9 @@ from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFinit
                                    Progress, StepError)
 from elastic_ddp.tracking import TrackerClient
 
+# Readers of other data views of the epoch a rank keeps (Trainer.ensure_reader): its
+# full-quorum view and the view of a quorum one replica short.
+KEPT_VIEWS = 2
 
 
 class Trainer:
@@ -75,7 +78,7 @@ class Trainer:
         self._reader = self._order = None
         self._reader_key: Optional[tuple] = None
         self._reader_at = -1
-        self._parked: Optional[tuple] = None  # the last view's reader (ensure_reader)
+        self._views: dict[tuple, tuple] = {}  # other views' readers (ensure_reader)
         self._eval_names: Optional[list[str]] = None
 
     # ---------------------------------------------------------------- checkpoint schema
@@ -231,31 +234,46 @@ class Trainer:
 
     def ensure_reader(self, rank: int, ws: int) -> None:
         """This rank's reader for the epoch, (re)opened when the epoch, the data view or
-        the expected position changed. The last view's windowed reader is kept: it can
-        serve any later cursor of its view, and per-step fault tolerance switches views
-        when the quorum shrinks and back when the replacement joins (a reopen costs a
-        round of window reads, one per owned partition). Costs one more view's windows
-        in memory while the quorum is short."""
+        the expected position changed. Readers of other views of the epoch are kept (at
+        most ``KEPT_VIEWS``): per-step fault tolerance switches views when the quorum
+        shrinks and back when the replacement joins, and a kept windowed reader serves
+        any later cursor of its view. A new view's reader takes the windows the kept
+        ones hold and reads only the rest (a survivor taking over a dead replica's
+        partitions reads those alone). Costs the kept views' windows in memory while the
+        quorum is short."""
         p = self.progress
         key = (p.epoch, rank, ws)
-        if self._reader is not None and self._reader_key == key and self._reader_at == p.cursor:
+        windowed = self.cfg.data.order == "windowed"
+
+        def usable(at: int) -> bool:
+            return at == p.cursor or (windowed and 0 <= at <= p.cursor)
+
+        if self._reader is not None and self._reader_key == key and usable(self._reader_at):
+            self._reader_at = p.cursor
             return
-        if self._reader is not None and self._reader_key != key and self._reader_key[0] == p.epoch:
-            self._parked = (self._reader_key, self._order, self._reader, self._reader_at)
-        parked = self._parked
-        if (parked is not None and parked[0] == key and self.cfg.data.order == "windowed"
-                and 0 <= parked[3] <= p.cursor):
-            self._parked = None
-            _, self._order, self._reader, _ = parked
+        if self._reader is not None and self._reader_key != key:
+            self._views.pop(self._reader_key, None)  # re-inserted last: the newest
+            self._views[self._reader_key] = (self._order, self._reader, self._reader_at)
+        self._views = {k: v for k, v in self._views.items() if k[0] == p.epoch}
+        kept = self._views.pop(key, None)
+        while len(self._views) > KEPT_VIEWS:
+            self._views.pop(next(iter(self._views)))
+        if kept is not None and usable(kept[2]):
+            self._order, self._reader, _ = kept
             self._reader_key, self._reader_at = key, p.cursor
             return
+        held: Optional[dict] = None  # a view change of the epoch: what the others hold
+        if windowed and self._views:
+            held = {}
+            for _, r, _ in self._views.values():
+                held.update(r.held_windows())
         t = time.perf_counter()
         self._order, self._reader = open_train_reader(
             self.job.train, self.task, self.cfg, rank, ws, p.epoch, p.cursor,
             self.plan.global_batch_size,
             list(self.plan.rows_per_rank) if ws == self.world_size else None,
-            template=self.job.sample["train"])
-        self._reader_key = key
+            template=self.job.sample["train"], held=held)
+        self._reader_key, self._reader_at = key, p.cursor
         self.window.data_s += time.perf_counter() - t
 
     def train_step(self) -> bool:

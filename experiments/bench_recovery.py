@@ -184,6 +184,7 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     lost_n = sum(e["lost"] for e in done)
     return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
             "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
+            "startup": s.startup,
             "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
 

@@ -23,8 +23,11 @@ from elastic_ddp.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from test_train_e2e import _replay_plain_torch
 
-# 8 epochs of 45 steps: the survivor is still training when the replacement (a new Ray
-# worker process: seconds) arrives, so the replacement heals from it and joins.
+# 8 epochs of 45 steps, each at least STEP_S: the survivor is still training when the
+# replacement (a new Ray worker process: seconds) arrives, so the replacement heals from
+# it and joins. (Digits steps take milliseconds; a survivor that no longer stalls while
+# taking over the dead replica's partitions would finish the run alone.)
+STEP_S = 0.05
 EPOCHS = 8
 JOB = {"batch": {"global_batch_size": 32, "micro_batch_size": 16},
        "train": {"epochs": EPOCHS, "log_every_steps": 5, "checkpoint_every_steps": 20},
@@ -46,7 +49,8 @@ def test_a_replica_killed_mid_epoch_is_replaced_alone_and_the_run_stays_exact(
     ledger = tmp_path / "ledger"
     steps = math.ceil(len(read_sample_ids(digits_data / "train")) / 32) * EPOCHS
     s = train(cfg, progress=False, ledger_dir=str(ledger),
-              fault={"rank": 0, "at_step": 6, "where": "step", "marker": str(tmp_path / "fired")})
+              fault={"rank": 0, "at_step": 6, "where": "step", "marker": str(tmp_path / "fired"),
+                     "step_s": STEP_S})
     assert (tmp_path / "fired").exists() and s.steps == steps
 
     report = audit(ledger, read_sample_ids(digits_data / "train"), EPOCHS)

@@ -55,8 +55,11 @@ def epoch_order(info: DatasetInfo, cfg, epoch: int) -> EpochOrder:
 
 
 # ------------------------------------------------------------------ Ray Data pieces
-def _read_window(files: list[str], schema: pa.Schema, seq: int, window: Window) -> list[pa.Table]:
-    tables, cache = [], {}
+def _read_window(files: list[str], schema: pa.Schema, seq: int, window: Window,
+                 cache: Optional[dict] = None) -> list[pa.Table]:
+    """One window's rows (its pieces concatenated, then permuted), tagged with ``seq``.
+    ``cache``: row groups already read by this read task, by (file, index)."""
+    tables, cache = [], {} if cache is None else cache
     for pc in window.pieces:
         key = (pc.file, pc.index)
         if key not in cache:
@@ -69,20 +72,49 @@ def _read_window(files: list[str], schema: pa.Schema, seq: int, window: Window) 
     return [t.append_column(SEQ, pa.array(np.full(t.num_rows, seq, dtype=np.int64)))]
 
 
-def window_source(files: list[str], schema: pa.Schema, windows: list[Window]):
-    """A Ray Data ``Datasource`` with one read task per window, in ``windows`` order."""
+def _read_windows(files: list[str], schema: pa.Schema, first_seq: int,
+                  windows: list[Window]) -> Iterator[pa.Table]:
+    """One read task: its windows in order, one block each. A row group shared by several
+    of them (small partitions slice one row group many times) is read once; costs the
+    task's row groups in memory until it ends."""
+    cache: dict = {}
+    needed = collections.Counter((pc.file, pc.index) for w in windows for pc in w.pieces)
+    for i, w in enumerate(windows):
+        yield from _read_window(files, schema, first_seq + i, w, cache)
+        for pc in w.pieces:  # drop a row group once its last window here is read
+            k = (pc.file, pc.index)
+            needed[k] -= 1
+            if needed[k] == 0:
+                cache.pop(k, None)
+
+
+def read_chunks(n_windows: int, tasks: int) -> list[tuple[int, int]]:
+    """Contiguous ``[a, b)`` runs of window indices, one per read task: at most ``tasks``
+    of them, as even as possible. Fewer, larger read tasks: Ray Data's per-task cost
+    (scheduling, a worker, a block) is paid per task, and a reader waits for a whole round
+    anyway."""
+    bounds = np.linspace(0, n_windows, min(tasks, n_windows) + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def window_source(files: list[str], schema: pa.Schema, windows: list[Window],
+                  tasks: Optional[int] = None):
+    """A Ray Data ``Datasource`` over ``windows`` in order: ``tasks`` read tasks (default
+    one per window), each reading a contiguous run of windows, one block per window."""
     from ray.data.block import BlockMetadata
     from ray.data.datasource import Datasource, ReadTask
+
+    chunks = read_chunks(len(windows), tasks or len(windows))
 
     class WindowSource(Datasource):
         def estimate_inmemory_data_size(self) -> Optional[int]:
             return None
 
         def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
-            return [ReadTask(functools.partial(_read_window, files, schema, seq, w),
-                             BlockMetadata(num_rows=w.num_rows, size_bytes=None,
-                                           input_files=None, exec_stats=None))
-                    for seq, w in enumerate(windows)]
+            return [ReadTask(functools.partial(_read_windows, files, schema, a, windows[a:b]),
+                             BlockMetadata(num_rows=sum(w.num_rows for w in windows[a:b]),
+                                           size_bytes=None, input_files=None, exec_stats=None))
+                    for a, b in chunks]
 
         def get_name(self) -> str:
             return "ElasticDDPWindows"
@@ -128,8 +160,9 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
     if local:
         from ray.data.block import BlockAccessor
 
-        return (transform(BlockAccessor.for_block(_read_window(info.files, info.schema, i, w)[0])
-                          .to_batch_format("numpy")) for i, w in enumerate(windows))
+        return (transform(BlockAccessor.for_block(t).to_batch_format("numpy"))
+                for a, b in read_chunks(len(windows), READ_TASKS)
+                for t in _read_windows(info.files, info.schema, a, windows[a:b]))
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -152,8 +185,9 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
     # sized by workers x cpus_per_worker), and a task waiting for a free CPU would stall
     # the job forever. What it costs: the tasks share the cores with training.
     remote = {"num_cpus": 0, "concurrency": READ_TASKS}
-    ds = ray.data.read_datasource(window_source(info.files, info.schema, windows),
-                                  override_num_blocks=len(windows), **remote)
+    src = window_source(info.files, info.schema, windows, READ_TASKS)
+    ds = ray.data.read_datasource(src, override_num_blocks=len(read_chunks(len(windows), READ_TASKS)),
+                                  **remote)
     ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False,
                         **remote)
     return ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
@@ -187,45 +221,85 @@ def _take(arrays: dict[str, np.ndarray], idx) -> dict[str, np.ndarray]:
 
 # ------------------------------------------------------------------------- readers
 class WindowedReader:
-    """This rank's rows of the steps of one epoch, windowed order."""
+    """This rank's rows of the steps of one epoch, windowed order.
+
+    ``held``: windows another reader of this epoch already holds, by (partition, first),
+    as ``held_windows()`` returns them. A view change (per-step fault tolerance: the
+    quorum shrank, and the survivors take over a dead replica's partitions) then reads
+    only the windows it lacks, first those the next step needs. That first round is read
+    in this process with the same read and transform functions, not by Ray Data: the
+    survivors wait for it, and Ray Data's read tasks would first need worker processes
+    started (Ray stops idle ones within seconds), on cores the replacement is starting
+    on. What it costs: one generation of the lost partitions' windows read and
+    transformed by the trainer's process, without Ray Data's parallelism."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, local: bool = False,
-                 read_ahead_bytes: float = READ_AHEAD_BYTES):
+                 read_ahead_bytes: float = READ_AHEAD_BYTES,
+                 held: Optional[dict[tuple[int, int], dict[str, np.ndarray]]] = None):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.windows = order.rank_windows(rank, world_size, cursor)
-        self.bytes_read = _bytes(info, self.windows)
+        self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
+        # A window's generation: its index among its partition's windows from the cursor.
+        # Rounds are generations: one window per owned partition, the partitions used in
+        # lockstep. A held window is used only as a prefix of its partition's windows.
+        gen: collections.Counter = collections.Counter()
+        gaps: set[int] = set()
+        todo: list[tuple[int, Window]] = []
+        for w in self.windows:
+            g, gen[w.partition] = gen[w.partition], gen[w.partition] + 1
+            arrs = (held or {}).get((w.partition, w.first))
+            if arrs is not None and w.partition not in gaps:
+                self._buf.setdefault(w.partition, []).append((w, arrs))
+            else:
+                gaps.add(w.partition)
+                todo.append((g, w))
+        todo.sort(key=lambda gw: gw[0])  # stable: the need order within a generation
+        self._todo = [w for _, w in todo]
+        self._rounds = [i for i in range(1, len(todo)) if todo[i][0] != todo[i - 1][0]] + [len(todo)]
+        self.bytes_read = _bytes(info, self._todo)
         self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
-        # Windows are read a round at a time (one per owned partition: the steps use the
-        # partitions in lockstep), the next round in a background thread while this one
-        # is used. Ray Data's executor then runs only while a round is read: a live
-        # executor polls in a loop (GIL and CPU taken from training) for as long as any
-        # of its output is unconsumed, i.e. the whole epoch for one long pipeline.
-        self._round = max(1, len({w.partition for w in self.windows}))
+        self._local_first = held is not None
+        # Windows are read a round at a time, the next round in a background thread while
+        # this one is used. Ray Data's executor then runs only while a round is read: a
+        # live executor polls in a loop (GIL and CPU taken from training) for as long as
+        # any of its output is unconsumed, i.e. the whole epoch for one long pipeline.
         self._read_at = 0
         self._ready: collections.deque = collections.deque()
         self._pending: Optional[Background] = None
-        self._next = 0                                  # next window seq to complete
+        self._next = 0                                  # next window (in _todo) to complete
         self._partial: list[dict[str, np.ndarray]] = []
         self._have = 0
-        self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
         self.template: Optional[dict] = None
 
+    def held_windows(self) -> dict[tuple[int, int], dict[str, np.ndarray]]:
+        """The windows this reader holds (read, transformed, not yet used up), by
+        (partition, first): what a reader of another view of the epoch need not read."""
+        return {(w.partition, w.first): arrs for ws in self._buf.values() for w, arrs in ws}
+
     def _read_round(self) -> Optional[Background]:
-        if self._read_at >= len(self.windows):
+        if self._read_at >= len(self._todo):
             return None
         a = self._read_at
-        b = self._read_at = min(len(self.windows), a + self._round)
+        b = self._read_at = next(r for r in self._rounds if r > a)
         info, task, seed, epoch, local, ahead = self._source
+        local = local or (a == 0 and self._local_first)
 
         def read() -> list[dict[str, np.ndarray]]:
             out = []
-            for batch in pipeline(info, task, self.windows[a:b], seed, epoch, "train", local, ahead):
+            for batch in pipeline(info, task, self._todo[a:b], seed, epoch, "train", local, ahead):
                 batch[SEQ] = batch[SEQ] + a
                 out.append(batch)
             return out
 
         return Background(read, name="elastic-ddp-read")
+
+    def warm(self) -> None:
+        """Read the first round now (blocking), so that the first ``take`` finds it."""
+        if not self._ready and self._pending is None and self._read_at < len(self._todo):
+            self._pending = self._read_round()
+            self._ready.extend(self._pending.result())
+            self._pending = self._read_round()
 
     def _next_batch(self) -> dict[str, np.ndarray]:
         if not self._ready:
@@ -259,26 +333,33 @@ class WindowedReader:
         return _concat(parts, self.template)
 
     def _pull(self) -> None:
-        if self._next >= len(self.windows):
+        """Take the next batch of the pipeline into the windows it belongs to (a batch is
+        one window or part of one; split by window should Ray Data merge blocks)."""
+        if self._next >= len(self._todo):
             raise RuntimeError("the epoch's pipeline ended before this rank's rows did (a bug)")
         try:
             batch = self._next_batch()
         except StopIteration:
             raise RuntimeError(f"the data pipeline ended after {self._next} of "
-                               f"{len(self.windows)} windows") from None
+                               f"{len(self._todo)} windows") from None
         seq = batch.pop(SEQ)
-        if len(seq) and (seq[0] != self._next or seq[-1] != self._next):
-            raise RuntimeError(f"data pipeline out of order: got windows {seq[0]}..{seq[-1]}, "
-                               f"expected {self._next}")
         if self.template is None:
             self.template = {k: v[:0] for k, v in batch.items()}
-        self._partial.append(batch)
-        self._have += len(seq)
-        w = self.windows[self._next]
-        if self._have >= w.num_rows:
-            self._buf.setdefault(w.partition, []).append((w, _concat(self._partial)))
-            self._partial, self._have = [], 0
-            self._next += 1
+        cuts = [0, *(np.flatnonzero(np.diff(seq)) + 1).tolist(), len(seq)]
+        for lo, hi in zip(cuts, cuts[1:]):
+            if hi == lo:
+                continue
+            if seq[lo] != self._next or self._next >= len(self._todo):
+                raise RuntimeError(f"data pipeline out of order: got window {seq[lo]}, "
+                                   f"expected {self._next}")
+            self._partial.append({k: v[lo:hi] for k, v in batch.items()} if (lo, hi) != (0, len(seq))
+                                 else batch)
+            self._have += hi - lo
+            w = self._todo[self._next]
+            if self._have >= w.num_rows:
+                self._buf.setdefault(w.partition, []).append((w, _concat(self._partial)))
+                self._partial, self._have = [], 0
+                self._next += 1
 
 
 class PermutationReader:
@@ -347,17 +428,18 @@ class PermutationReader:
 def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size: int,
                       epoch: int, cursor: int, global_batch_size: int,
                       rows_per_rank: Optional[list[int]] = None, local: bool = False,
-                      template: Optional[dict] = None):
+                      template: Optional[dict] = None, held: Optional[dict] = None):
     """The order of ``epoch`` and this rank's reader from ``cursor`` (see the module
     docstring). ``template``: a transformed row (shapes of an empty share); ``local``:
-    read in this process, without Ray (tests)."""
+    read in this process, without Ray (tests); ``held``: windows of another view's
+    reader of this epoch (``WindowedReader.held_windows``, windowed order only)."""
     order = epoch_order(info, cfg, epoch)
     if order.mode == "permutation":
         reader = PermutationReader(info, task, order, rank, world_size, cursor,
                                    global_batch_size, rows_per_rank, local)
     else:
         reader = WindowedReader(info, task, order, rank, world_size, cursor, local,
-                                cfg.data.read_ahead_mib * 2**20)
+                                cfg.data.read_ahead_mib * 2**20, held)
     if template is not None:
         reader.template = {k: v[:0] for k, v in template.items()}
     return order, reader
