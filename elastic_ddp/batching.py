@@ -123,6 +123,32 @@ def default_partitions(max_workers: int) -> int:
     return 60 * math.ceil(max_workers / 60)
 
 
+# A canonical partition should span at least this many row groups: partition boundaries
+# cut row groups, and a cut row group is read by the ranks owning both sides (adjacent
+# partitions belong to different ranks), so the extra reads per epoch are about
+# partitions / row groups of the data set: at most 1/10 (issue #11's 1.1 x bound).
+ROW_GROUPS_PER_PARTITION = 10
+
+
+def fit_partitions(partitions: int, max_workers: int, row_groups: int, rows: int) -> int:
+    """The canonical partition count of a data set with few row groups when
+    ``data.partitions`` is unset: the largest divisor of the default ``partitions``
+    (:func:`default_partitions`) that is still divisible by every world size up to
+    ``max(max_workers, 4)`` that divides the default, at least ``max_workers``, and at
+    most ``row_groups / ROW_GROUPS_PER_PARTITION`` (the smallest such divisor if none is
+    that small). So the world sizes that keep a balanced order are the default's, reads
+    per rank stay near the rank's share, and jobs of up to 4 workers (a sweep's
+    children) share one order on the same data. Never more than ``rows``."""
+    worlds = [ws for ws in range(1, max(max_workers, 4) + 1) if partitions % ws == 0]
+    unit = math.lcm(*worlds)
+    cands = [d for d in range(1, partitions + 1)
+             if partitions % d == 0 and d % unit == 0 and max_workers <= d <= rows]
+    if not cands:
+        return min(partitions, rows)
+    fit = [d for d in cands if d * ROW_GROUPS_PER_PARTITION <= row_groups]
+    return max(fit) if fit else min(cands)
+
+
 def check_batch_config(
     global_batch_size: int,
     micro_batch_size: int,

@@ -107,6 +107,10 @@ def child_config(cfg: Config, world_size: int, tag: str) -> Config:
             size before anything starts).
     """
     raw = cfg.model_dump(mode="json")
+    if cfg.data.order == "windowed" and cfg.data.partitions is None:
+        # Every child on the parent's order (batching.fit_partitions would give a child
+        # of 5 or more workers another count than one of 4 or fewer on few row groups).
+        raw["data"]["partitions"] = cfg.partitions
     raw["scaling"]["min_workers"] = raw["scaling"]["max_workers"] = world_size
     raw["run"]["name"] = f"{cfg.run.name}-sweep-{tag}-ws{world_size}"
     raw["run"]["resume"] = False

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import open_train_reader, val_batches
+from elastic_ddp.data.ingest import epoch_order, open_train_reader, val_batches
 from elastic_ddp.data.order import EpochOrder, RowGroup, offset_in_partition, owner
 from elastic_ddp.data.scan import scan_parquet
 from elastic_ddp.tasks.protocol import Column, Task
@@ -117,8 +117,7 @@ def _cfg(tmp: Path, order="windowed", **data) -> Config:
 def test_readers_give_every_rank_exactly_its_share_of_each_step(tmp_path, order, data):
     cfg = _cfg(_data(tmp_path), order, **data)
     info = scan_parquet(tmp_path, Echo.columns)
-    o = EpochOrder(info.row_groups, cfg.seed, 1, cfg.partitions, cfg.data.shuffle_window_rows,
-                   cfg.data.block_rows, order)
+    o = epoch_order(info, cfg, 1)
     ids_of = {}
     for f in info.files:
         t = pq.ParquetFile(f)
@@ -245,3 +244,47 @@ def test_a_batch_spanning_two_windows_is_split_between_them(tmp_path):
     rd._ready.appendleft(merged)
     for c in range(0, 200, 20):
         assert np.array_equal(rd.take(c, 20)["sample_id"], ref.take(c, 20)["sample_id"]), c
+
+
+def test_default_partitions_fit_few_row_groups_so_reads_stay_within_the_bound(tmp_path):
+    """Partition boundaries cut row groups, and a cut row group is read by both owners:
+    with 60 partitions over 336 row groups each rank of 2 reads ~15% more than its share.
+    Unset, ``data.partitions`` is fitted to the row groups (12 here): within issue #11's
+    bound of 1.1 x data / N + one window (here one row group)."""
+    from elastic_ddp.data.ingest import epoch_partitions
+
+    _data(tmp_path, n=3000, files=4, rg=9)
+    info = scan_parquet(tmp_path, Echo.columns)
+    whole = sum(g.nbytes for g in info.row_groups)
+    bound = 1.1 * whole / 2 + max(g.nbytes for g in info.row_groups)
+    got = {}
+    for parts in (None, 60):
+        cfg = Config.from_dict({"data": {"train_path": str(tmp_path), "shuffle_window_rows": 60,
+                                         **({"partitions": parts} if parts else {})},
+                                "task": {"path": "tests:Echo"},
+                                "batch": {"global_batch_size": 24, "policy": "uneven"},
+                                "scaling": {"min_workers": 1, "max_workers": 2}})
+        got[parts] = (epoch_partitions(info, cfg), max(
+            open_train_reader(info, Echo(), cfg, r, 2, 0, 0, 24, local=True, template=T)[1].bytes_read
+            for r in range(2)))
+    assert got[None][0] == 12 and got[60][0] == 60
+    assert got[None][1] <= bound < got[60][1], (got, bound)
+
+
+def test_fit_partitions_keeps_the_balanced_world_sizes_and_depends_on_no_world_size():
+    from elastic_ddp.batching import default_partitions, fit_partitions
+
+    for max_workers in (1, 2, 3, 4, 5, 6, 12):
+        base = default_partitions(max_workers)
+        balanced = {ws for ws in range(1, max_workers + 1) if base % ws == 0}
+        for row_groups in (1, 8, 64, 265, 600, 5000):
+            p = fit_partitions(base, max_workers, row_groups, rows=10**6)
+            assert base % p == 0 and p >= max_workers
+            assert {ws for ws in range(1, max_workers + 1) if p % ws == 0} == balanced
+            if row_groups >= 10 * base:
+                assert p == base  # many row groups: the default unchanged
+    assert fit_partitions(60, 2, 265, 10**6) == 12    # bench_data's smallest set
+    assert fit_partitions(60, 2, 8, 10**6) == 12      # digits
+    # Up to 4 workers, one order on the same data (a sweep's children compare curves).
+    assert {fit_partitions(60, mw, rg, 10**6) for mw in (1, 2, 3, 4) for rg in (8, 265)} == {12}
+    assert fit_partitions(60, 2, 8, rows=1) == 1      # never more partitions than rows

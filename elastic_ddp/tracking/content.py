@@ -54,8 +54,6 @@ def job_params(cfg: Config) -> dict[str, str]:
         if v is None or k in drop or v == {} or v == []:
             continue
         out[k] = param_text(v)
-    if cfg.data.order == "windowed" and cfg.data.partitions is None:
-        out["data.partitions"] = str(cfg.partitions)  # the default it resolved to
     return out
 
 
@@ -152,13 +150,18 @@ def log_job_inputs(uri: str, run_id: str, cfg: Config, task, train_info, val_inf
     """What the job reads, in its run: the training (and validation) set as dataset
     inputs (:func:`log_dataset`) and, for a new run, the params known only once the task
     and the data are loaded: ``task`` (its class), ``model.parameters`` (count, built on
-    the meta device: no memory), ``data.train_rows``/``data.val_rows``."""
+    the meta device: no memory), ``data.train_rows``/``data.val_rows`` and, when unset,
+    the ``data.partitions`` the order uses (``data.ingest.epoch_partitions``)."""
     log_dataset(uri, run_id, train_info, "training")
     if val_info is not None:
         log_dataset(uri, run_id, val_info, "validation")
     if resumed:
         return  # params are write-once; the first submission logged them
     extra: dict[str, Any] = {"data.train_rows": train_info.num_rows}
+    if cfg.data.order == "windowed" and cfg.data.partitions is None:
+        from elastic_ddp.data.ingest import epoch_partitions
+
+        extra["data.partitions"] = epoch_partitions(train_info, cfg)  # the default, fitted
     if val_info is not None:
         extra["data.val_rows"] = val_info.num_rows
     if task is not None:
