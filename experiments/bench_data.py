@@ -240,6 +240,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=140)
     ap.add_argument("--kill-at", type=int, default=100)
     ap.add_argument("--only", default="elastic,plain")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per reader and size, alternating elastic and plain (the "
+                         "samples/s ratio is then the median over the pairs)")
     args = ap.parse_args()
 
     from elastic_ddp.local_ray import init_local_ray
@@ -249,13 +252,14 @@ def main() -> None:
     init_local_ray(num_cpus=4, configure_logging=True, logging_level="WARNING", log_to_driver=False)
     rows = []
     for gb in sizes:
-        for kind in args.only.split(","):
-            with tempfile.TemporaryDirectory(prefix=f"bench-data-{kind}-") as tmp:
-                fn = run_elastic if kind == "elastic" else run_plain
-                r = fn(dirs[gb], Path(tmp), args.steps, args.kill_at)
-                r.update(size_gb=gb, kind=kind)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+        for rep in range(args.repeat):
+            for kind in args.only.split(","):
+                with tempfile.TemporaryDirectory(prefix=f"bench-data-{kind}-") as tmp:
+                    fn = run_elastic if kind == "elastic" else run_plain
+                    r = fn(dirs[gb], Path(tmp), args.steps, args.kill_at)
+                    r.update(size_gb=gb, kind=kind, rep=rep)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
     print(f"\n2 workers, gpt 2x128, global batch 32, {args.steps} steps, worker SIGKILLed before step "
           f"{args.kill_at}; {ROW_GROUP}-row row groups")
     print(f"{'GB':>5} {'reader':>8} {'cmd->1st s':>10} {'peak RSS MiB':>12} {'bytes/rank/epoch':>17} "
@@ -264,6 +268,13 @@ def main() -> None:
         print(f"{r['size_gb']:>5g} {r['kind']:>8} {r['cmd_to_first_step_s']:>10.1f} {r['peak_rss_mib']:>12.0f} "
               f"{r['bytes_per_rank_epoch'] / 1e9:>15.2f}GB {r['bound'] / 1e9:>8.2f}GB "
               f"{r['samples_per_s']:>9.1f} {r['data_wait_frac']:>9.2%} {r['recovery_s']:>10.1f}  {r['audit']}")
+    for gb in sizes:  # run-to-run noise on shared cores: the ratio per adjacent pair
+        sps = {(r["kind"], r["rep"]): r["samples_per_s"] for r in rows if r["size_gb"] == gb}
+        ratios = [sps[("elastic", k)] / sps[("plain", k)] for k in range(args.repeat)
+                  if ("elastic", k) in sps and ("plain", k) in sps]
+        if ratios:
+            print(f"{gb:g} GB samples/s elastic / plain per pair: "
+                  f"{', '.join(f'{x:.0%}' for x in ratios)}; median {float(np.median(ratios)):.0%}")
     print("reader open -> first step's rows on the largest set, by cursor position:",
           resume_open_times(dirs[sizes[-1]], Path(tempfile.mkdtemp())))
 

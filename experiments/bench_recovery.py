@@ -16,8 +16,9 @@ Printed per mode:
     (restart, torchrun: the restarted group; per_step: the replacement, i.e. back in the
     quorum); median and max over the kills.
   * longest gap: the longest time between two consecutive committed steps of a process
-    that was not killed (per_step: the survivors'; restart and torchrun: every process
-    restarts, so the gap spans the whole recovery).
+    that was not killed (per_step: the survivors', between a kill and the replacement's
+    first commit, the whole run's in the JSON line as ``longest_gap_any_s``; restart and
+    torchrun: every process restarts, so the gap spans the whole recovery).
   * goodput: seconds in committed training steps / wall seconds (elastic-ddp's own figure;
     torchrun: the steps a later checkpoint covered, from its step log).
   * samples: the ledger audit (elastic-ddp), lost / repeated over the committed steps.
@@ -165,12 +166,17 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
         back = [min((min((r["t"] for r in recs if "commit" in r), default=float("inf"))
                      for h, recs in lines.values() if h["t"] > k["t"]), default=float("nan")) - k["t"]
                 for k in kills]
-        gaps = []
+        # The survivors' longest gap while a replica is being replaced (from a kill to
+        # the replacement's first commit); any_gap: over the whole run (epoch ends add
+        # the evaluation and a durable checkpoint).
+        spans = [(k["t"], k["t"] + b) for k, b in zip(kills, back) if b == b]
+        gaps, any_gaps = [], []
         for _, recs in lines.values():
             ts = sorted(r["t"] for r in recs if "commit" in r)
             if ts and any(ts[0] < k["t"] < ts[-1] for k in kills):
-                gaps.append(_longest_gap(ts))
-        gaps = gaps or [float("nan")]
+                any_gaps.append(_longest_gap(ts))
+                gaps.extend(b - a for a, b in zip(ts, ts[1:]) if any(a < hi and b > lo for lo, hi in spans))
+        gaps, any_gaps = gaps or [float("nan")], any_gaps or [float("nan")]
     else:
         rank0 = sorted((h["t"], recs) for h, recs in lines.values() if h["rank"] == 0)
         back = [min((r["t"] for _, recs in rank0 for r in recs if r["t"] > k["t"]), default=float("nan")) - k["t"]
@@ -184,6 +190,7 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     lost_n = sum(e["lost"] for e in done)
     return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
             "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
+            **({"longest_gap_any_s": max(any_gaps)} if mode == "per_step" else {}),
             "startup": s.startup,
             "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
