@@ -251,22 +251,25 @@ class Trainer:
         if self._reader is not None and self._reader_key == key and usable(self._reader_at):
             self._reader_at = p.cursor
             return
-        if self._reader is not None and self._reader_key != key:
+        if self._reader is not None and self._reader_key != key and self._reader_key[0] == p.epoch:
             self._views.pop(self._reader_key, None)  # re-inserted last: the newest
             self._views[self._reader_key] = (self._order, self._reader, self._reader_at)
-        self._views = {k: v for k, v in self._views.items() if k[0] == p.epoch}
+        # This epoch's views, and the next epoch's reader already reading (prefetch_next).
+        self._views = {k: v for k, v in self._views.items() if k[0] >= p.epoch}
         kept = self._views.pop(key, None)
-        while len(self._views) > KEPT_VIEWS:
-            self._views.pop(next(iter(self._views)))
+        now = [k for k in self._views if k[0] == p.epoch]  # oldest first
+        while len(now) > KEPT_VIEWS:
+            self._views.pop(now.pop(0))
         if kept is not None and usable(kept[2]):
             self._order, self._reader, _ = kept
             self._reader_key, self._reader_at = key, p.cursor
             return
         held: Optional[dict] = None  # a view change of the epoch: what the others hold
-        if windowed and self._views:
+        if windowed and any(k[0] == p.epoch for k in self._views):
             held = {}
-            for _, r, _ in self._views.values():
-                held.update(r.held_windows())
+            for k, (_, r, _) in self._views.items():
+                if k[0] == p.epoch:
+                    held.update(r.held_windows())
         t = time.perf_counter()
         self._order, self._reader = open_train_reader(
             self.job.train, self.task, self.cfg, rank, ws, p.epoch, p.cursor,
@@ -275,6 +278,29 @@ class Trainer:
             template=self.job.sample["train"], held=held)
         self._reader_key, self._reader_at = key, p.cursor
         self.window.data_s += time.perf_counter() - t
+
+    def prefetch_next(self, rank: int, ws: int) -> None:
+        """Once this epoch's reader has started its last round, open this view's reader of
+        the next epoch and start reading its first round in the background: the next
+        epoch's first step then finds its windows (the first round otherwise stalls
+        every rank at each epoch start). Windowed order, and only when the run goes on
+        into that epoch. Costs one more window per owned partition in memory over the
+        epoch's last round."""
+        p, c = self.progress, self.cfg.train
+        key = (p.epoch + 1, rank, ws)
+        if (self.cfg.data.order != "windowed" or key in self._views or p.epoch + 1 >= c.epochs
+                or not getattr(self._reader, "last_round_started", False)):
+            return
+        left = -(-(self.n_train - p.cursor) // self.plan.global_batch_size)
+        if c.max_steps is not None and p.step + left >= c.max_steps:
+            return
+        order, reader = open_train_reader(
+            self.job.train, self.task, self.cfg, rank, ws, p.epoch + 1, 0,
+            self.plan.global_batch_size,
+            list(self.plan.rows_per_rank) if ws == self.world_size else None,
+            template=self.job.sample["train"])
+        reader.prefetch()
+        self._views[key] = (order, reader, 0)
 
     def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this
@@ -297,6 +323,7 @@ class Trainer:
             batch = self._reader.take(p.cursor, n)
             self.at("training step", p.step + 1)
             self._reader_at = p.cursor + n
+            self.prefetch_next(rank, ws)
         else:  # a replica healing this step computes nothing (zero gradient)
             rows, rank = [0] + [n], 0
             batch = {k: v[:0] for k, v in self.job.sample["train"].items()}

@@ -104,6 +104,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from elastic_ddp.config import Config
+    from elastic_ddp.data.ingest import epoch_partitions
     from elastic_ddp.tasks.loading import load_task
 
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -119,7 +120,7 @@ def main() -> None:
             results.setdefault(order, []).append(loss)
             print(f"{order:>11} seed {seed}: val_loss {loss:.4f} ({time.time() - t:.0f} s)", flush=True)
     print(f"\nconfig {args.config} {' '.join(args.overrides)}; seeds {seeds}; "
-          f"partitions {base.partitions}, shuffle_window_rows {base.data.shuffle_window_rows}")
+          f"partitions {epoch_partitions(train[0], base)}, shuffle_window_rows {base.data.shuffle_window_rows}")
     for order, vals in results.items():
         se = statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else float("nan")
         print(f"{order:>11}: mean val_loss {statistics.mean(vals):.4f} +- {se:.4f} (s.e.)")

@@ -288,3 +288,21 @@ def test_fit_partitions_keeps_the_balanced_world_sizes_and_depends_on_no_world_s
     # Up to 4 workers, one order on the same data (a sweep's children compare curves).
     assert {fit_partitions(60, mw, rg, 10**6) for mw in (1, 2, 3, 4) for rg in (8, 265)} == {12}
     assert fit_partitions(60, 2, 8, rows=1) == 1      # never more partitions than rows
+
+
+def test_prefetch_reads_the_first_round_in_the_background_and_changes_no_row(tmp_path):
+    """The next epoch's reader (Trainer.prefetch_next) starts its first round early; its
+    rows are those of a reader opened at the epoch's start. ``last_round_started`` turns
+    true only once every round is read or being read."""
+    cfg = _cfg(_data(tmp_path, n=600, rg=8), shuffle_window_rows=48, partitions=4)
+    info = scan_parquet(tmp_path, Echo.columns)
+    g = 24
+    early = open_train_reader(info, Echo(), cfg, 1, 2, 1, 0, g, local=True, template=T)[1]
+    plain = open_train_reader(info, Echo(), cfg, 1, 2, 1, 0, g, local=True, template=T)[1]
+    assert len(early._rounds) > 1 and not early.last_round_started
+    early.prefetch()
+    assert early._pending is not None and not early.last_round_started
+    for c in range(0, 600, g):
+        assert np.array_equal(early.take(c, min(g, 600 - c))["sample_id"],
+                              plain.take(c, min(g, 600 - c))["sample_id"]), c
+    assert early.last_round_started and plain.last_round_started

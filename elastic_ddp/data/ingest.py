@@ -306,10 +306,21 @@ class WindowedReader:
 
     def warm(self) -> None:
         """Read the first round now (blocking), so that the first ``take`` finds it."""
-        if not self._ready and self._pending is None and self._read_at < len(self._todo):
-            self._pending = self._read_round()
+        self.prefetch()
+        if not self._ready and self._pending is not None:
             self._ready.extend(self._pending.result())
             self._pending = self._read_round()
+
+    def prefetch(self) -> None:
+        """Start reading the first round in the background (no-op once reading began)."""
+        if not self._ready and self._pending is None and self._read_at == 0 and self._todo:
+            self._pending = self._read_round()
+
+    @property
+    def last_round_started(self) -> bool:
+        """Every round of the epoch is read or being read: the reader's epoch is in its
+        last round (when the next epoch's reader may start reading)."""
+        return self._read_at >= len(self._todo)
 
     def _next_batch(self) -> dict[str, np.ndarray]:
         if not self._ready:
