@@ -264,18 +264,11 @@ class Trainer:
             self._order, self._reader, _ = kept
             self._reader_key, self._reader_at = key, p.cursor
             return
-        held: Optional[dict] = None  # a view change of the epoch: what the others hold
-        if windowed and any(k[0] == p.epoch for k in self._views):
-            held = {}
-            for k, (_, r, _) in self._views.items():
-                if k[0] == p.epoch:
-                    held.update(r.held_windows())
+        # A view change within the epoch: the windows the other views' readers hold.
+        others = [r for k, (_, r, _) in self._views.items() if k[0] == p.epoch]
+        held = {w: a for r in others for w, a in r.held_windows().items()} if windowed and others else None
         t = time.perf_counter()
-        self._order, self._reader = open_train_reader(
-            self.job.train, self.task, self.cfg, rank, ws, p.epoch, p.cursor,
-            self.plan.global_batch_size,
-            list(self.plan.rows_per_rank) if ws == self.world_size else None,
-            template=self.job.sample["train"], held=held)
+        self._order, self._reader = self._open_reader(rank, ws, p.epoch, p.cursor, held)
         self._reader_key, self._reader_at = key, p.cursor
         self.window.data_s += time.perf_counter() - t
 
@@ -294,13 +287,17 @@ class Trainer:
         left = -(-(self.n_train - p.cursor) // self.plan.global_batch_size)
         if c.max_steps is not None and p.step + left >= c.max_steps:
             return
-        order, reader = open_train_reader(
-            self.job.train, self.task, self.cfg, rank, ws, p.epoch + 1, 0,
-            self.plan.global_batch_size,
-            list(self.plan.rows_per_rank) if ws == self.world_size else None,
-            template=self.job.sample["train"])
+        order, reader = self._open_reader(rank, ws, p.epoch + 1, 0)
         reader.prefetch()
         self._views[key] = (order, reader, 0)
+
+    def _open_reader(self, rank: int, ws: int, epoch: int, cursor: int, held: Optional[dict] = None):
+        """(order, reader) of view (rank, ws) of ``epoch`` from ``cursor``."""
+        return open_train_reader(
+            self.job.train, self.task, self.cfg, rank, ws, epoch, cursor,
+            self.plan.global_batch_size,
+            list(self.plan.rows_per_rank) if ws == self.world_size else None,
+            template=self.job.sample["train"], held=held)
 
     def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this

@@ -306,10 +306,8 @@ class WindowedReader:
 
     def warm(self) -> None:
         """Read the first round now (blocking), so that the first ``take`` finds it."""
-        self.prefetch()
-        if not self._ready and self._pending is not None:
-            self._ready.extend(self._pending.result())
-            self._pending = self._read_round()
+        if not self._ready:
+            self._fill()
 
     def prefetch(self) -> None:
         """Start reading the first round in the background (no-op once reading began)."""
@@ -322,14 +320,20 @@ class WindowedReader:
         last round (when the next epoch's reader may start reading)."""
         return self._read_at >= len(self._todo)
 
-    def _next_batch(self) -> dict[str, np.ndarray]:
-        if not self._ready:
-            if self._pending is None:
-                self._pending = self._read_round()
-            if self._pending is None:
-                raise StopIteration
-            self._ready.extend(self._pending.result())
+    def _fill(self) -> bool:
+        """Wait for the round being read (starting it if none is) and start the next one;
+        False when every round is used up."""
+        if self._pending is None:
             self._pending = self._read_round()
+        if self._pending is None:
+            return False
+        self._ready.extend(self._pending.result())
+        self._pending = self._read_round()
+        return True
+
+    def _next_batch(self) -> dict[str, np.ndarray]:
+        if not self._ready and not self._fill():
+            raise StopIteration
         return self._ready.popleft()
 
     def take(self, cursor: int, n_rows: int) -> dict[str, np.ndarray]:
