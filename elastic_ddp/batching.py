@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 Policy = Literal["fixed_global", "uneven", "scale_lr"]
 
@@ -130,14 +130,24 @@ def default_partitions(max_workers: int) -> int:
 ROW_GROUPS_PER_PARTITION = 10
 
 
-def fit_partitions(partitions: int, max_workers: int, row_groups: int, rows: int) -> int:
-    """The canonical partition count of a data set with few row groups when
-    ``data.partitions`` is unset: the largest divisor of the default ``partitions``
-    (:func:`default_partitions`) that is still divisible by every world size up to
-    ``max(max_workers, 4)`` that divides the default, at least ``max_workers``, and at
-    most ``row_groups / ROW_GROUPS_PER_PARTITION`` (the smallest such divisor if none is
-    that small). So the world sizes that keep a balanced order are the default's, reads
-    per rank stay near the rank's share, and jobs of up to 4 workers (a sweep's
+def fit_partitions(partitions: int, max_workers: int, row_groups: int, rows: int,
+                   window_rows: Optional[int] = None, unit_rows: float = 0.0) -> int:
+    """The canonical partition count when ``data.partitions`` is unset: the largest
+    divisor of the default ``partitions`` (:func:`default_partitions`) that is still
+    divisible by every world size up to ``max(max_workers, 4)`` that divides the default,
+    at least ``max_workers``, and that fits the data set:
+
+    * at most ``row_groups / ROW_GROUPS_PER_PARTITION`` (cut row groups are read twice);
+    * with ``window_rows`` (``data.shuffle_window_rows``, W) and ``unit_rows`` (mean rows
+      of the shuffled units: row groups, or ``data.block_rows`` blocks), at most
+      ``W / unit_rows``: a partition's window is at least one unit, so a round (one window
+      per owned partition, what a rank reads before its first step after a restart)
+      holds ``max(W / P, unit_rows) x P / N`` rows; beyond ``W / unit_rows`` partitions it
+      grows with P instead of staying at the configured ``W / N``.
+
+    The smallest such divisor if none fits. So the world sizes that keep a balanced order
+    are the default's, reads per rank stay near the rank's share, a restart's first read
+    does not grow with the partition count, and jobs of up to 4 workers (a sweep's
     children) share one order on the same data. Never more than ``rows``."""
     worlds = [ws for ws in range(1, max(max_workers, 4) + 1) if partitions % ws == 0]
     unit = math.lcm(*worlds)
@@ -145,7 +155,8 @@ def fit_partitions(partitions: int, max_workers: int, row_groups: int, rows: int
              if partitions % d == 0 and d % unit == 0 and max_workers <= d <= rows]
     if not cands:
         return min(partitions, rows)
-    fit = [d for d in cands if d * ROW_GROUPS_PER_PARTITION <= row_groups]
+    fit = [d for d in cands if d * ROW_GROUPS_PER_PARTITION <= row_groups
+           and (not window_rows or not unit_rows or d * unit_rows <= window_rows)]
     return max(fit) if fit else min(cands)
 
 

@@ -248,8 +248,9 @@ def _plan(cfg) -> int:
               "every world size <= partitions; a rank reads only its own partitions")
         if cfg.data.partitions is None:
             print("  (data.partitions unset: a data set with fewer than 10 row groups per "
-                  "partition gets fewer, a divisor of this count; the world sizes below keep "
-                  "their balance)")
+                  "partition, or row groups larger than a window (shuffle_window_rows / "
+                  "partitions rows), gets fewer, a divisor of this count; the world sizes "
+                  "below keep their balance)")
     else:
         print("data.order=permutation: the same order at every world size; every rank reads "
               "every row")

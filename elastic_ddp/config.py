@@ -77,8 +77,9 @@ class DataConfig(_Section):
             "windowed: canonical partitions (fixed for the job: the order does not depend "
             "on the world size). A world size that divides it is balanced. null: 60 (or "
             "the smallest multiple of 60 >= max_workers), or a divisor of it that keeps the "
-            "same world sizes balanced on a data set with fewer than 10 row groups per "
-            "partition (12 for up to 4 workers), at most the rows of the data set."),
+            "same world sizes balanced (12 for up to 4 workers) when at 60 a partition would "
+            "have fewer than 10 row groups or a window (shuffle_window_rows / partitions) "
+            "fewer rows than a row group; at most the rows of the data set."),
     )
     shuffle_window_rows: int = Field(
         65536, ge=1, description=(

@@ -25,7 +25,7 @@ from elastic_ddp.batchnorm import batchnorm_guard
 from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_length, split_evenly, step_rows
 from elastic_ddp.checkpoint import CheckpointError, report
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import open_train_reader
+from elastic_ddp.data.ingest import LOCAL_FIRST_ROUND_BYTES, open_train_reader
 from elastic_ddp.evaluation import evaluate
 from elastic_ddp.failures import Position
 from elastic_ddp.faults import Fault
@@ -297,7 +297,7 @@ class Trainer:
             self.job.train, self.task, self.cfg, rank, ws, epoch, cursor,
             self.plan.global_batch_size,
             list(self.plan.rows_per_rank) if ws == self.world_size else None,
-            template=self.job.sample["train"], held=held)
+            template=self.job.sample["train"], held=held, local_first_bytes=LOCAL_FIRST_ROUND_BYTES)
 
     def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this

@@ -19,8 +19,10 @@ Columns: data set size; command to first step (seconds from the job's start, in 
 process, to the end of step 1); peak RSS per worker (VmHWM, max over ranks and
 attempts); bytes per rank (elastic: what its epoch plan reads per rank over a whole
 epoch, the bound of issue #11: <= 1.1 x data/N + one window; plain: not planned, it
-streams); samples/s at steady state (steps kill/2..kill, the slowest rank: past the
-first windows every partition's reader fetches at the start); data-wait share
+streams); samples/s at steady state, wall clock from the end of step kill/2 + 1 to the end
+of step kill - 1 on the slowest rank, everything between steps included (the product's
+metric logging, checkpoints every 10 steps and ledger; step ends from the ledger and, in
+the plain job, from its loop); data-wait share
 of step time; recovery seconds from the kill to the first step after it; and for the
 elastic run, the ledger audit (samples lost/repeated). Then the time to open a reader
 at cursor 0, mid-epoch and 90% into the epoch of the largest set (no training).
@@ -117,7 +119,8 @@ def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     return {"cmd_to_first_step_s": s.startup.get("total_s", float("nan")) - s.startup.get("imports_s", 0),
             "peak_rss_mib": max(v for _, v in hist["peak_mem_mib_max"]),
             "bytes_per_rank_epoch": max(per_rank), "bound": 1.1 * whole / 2 + window,
-            "samples_per_s": float(np.median(steady("samples_per_s"))),
+            "samples_per_s": _wall_samples_per_s(_ledger_step_ends(tmp / "ledger"), kill_at // 2 + 1,
+                                                 kill_at - 1),
             "data_wait_frac": float(np.median(steady("data_wait_frac"))),
             "recovery_s": s.events[0]["recovery_s"] if s.events else float("nan"),
             "audit": f"{ep['repeated']} repeated, {len(used)}/{steps * 32} samples",
@@ -173,15 +176,45 @@ def _plain_train_func(config: dict) -> None:
         if config["kill_at"] // 2 < step < config["kill_at"]:
             t_wait += t_data - t
             t_step += now - t
-            times.append(now - t)
+            times.append((step, time.time()))
         t = now
         if step >= config["steps"]:
             break
     if times:  # the attempt that ran the steady-state window (before the kill) reports
         (Path(config["first"]).parent / f"stats-{rank}.json").write_text(json.dumps(
-            {"data_wait_frac": t_wait / max(t_step, 1e-9), "step_s": float(np.median(times))}))
+            {"data_wait_frac": t_wait / max(t_step, 1e-9), "ends": times}))
     rss = Path(config["first"]).parent / f"rss-{rank}-{time.time_ns()}"
     rss.write_text(str(peak_rss_bytes() / 2**20))
+
+
+def _wall_samples_per_s(ends: list[dict], a: int, b: int, batch: int = 32) -> float:
+    """Steady samples/s over steps (a, b] of wall-clock time, everything between the
+    steps included (the product's metric logging, checkpoints and ledger; the plain job's
+    loop): ``(b - a) x batch / (end(b) - end(a))``, the slowest rank. ``ends``: per rank,
+    step -> the step's end, seconds since the epoch."""
+    return min((b - a) * batch / (e[b] - e[a]) for e in ends if a in e and b in e)
+
+
+def _ledger_step_ends(ledger: Path) -> list[dict]:
+    """Per rank, step -> end time (the ledger's ``t``) in the job's first attempt."""
+    out = []
+    files = sorted(ledger.glob("attempt-*-rank*.jsonl"))
+    heads = [json.loads(f.read_text().splitlines()[0]) for f in files]
+    first = min(h["t"] for h in heads)
+    first_key = [h.get("attempt") for h in heads if h["t"] == first][0]
+    for f, h in zip(files, heads):
+        if h.get("attempt") != first_key:
+            continue
+        ends = {}
+        for ln in f.read_text().splitlines()[1:]:
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue  # the killed rank's torn last line
+            if "step" in rec and "t" in rec:
+                ends[int(rec["step"])] = float(rec["t"])
+        out.append(ends)
+    return out
 
 
 def run_plain(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
@@ -209,7 +242,8 @@ def run_plain(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     rss = max(float(p.read_text()) for p in tmp.glob("rss-*"))
     return {"cmd_to_first_step_s": firsts[0] - t0, "peak_rss_mib": rss,
             "bytes_per_rank_epoch": float("nan"), "bound": float("nan"),
-            "samples_per_s": 32 / max(s["step_s"] for s in stats),
+            "samples_per_s": _wall_samples_per_s([{int(k): v for k, v in s["ends"]} for s in stats],
+                                                 kill_at // 2 + 1, kill_at - 1),
             "data_wait_frac": max(s["data_wait_frac"] for s in stats),
             "recovery_s": min(t for t in firsts if t > kill_t) - kill_t, "audit": "n/a (no ledger)",
             "wall_s": time.time() - t0}

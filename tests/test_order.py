@@ -290,6 +290,42 @@ def test_fit_partitions_keeps_the_balanced_world_sizes_and_depends_on_no_world_s
     assert fit_partitions(60, 2, 8, rows=1) == 1      # never more partitions than rows
 
 
+def test_fit_partitions_keeps_a_round_near_the_window_whatever_the_data_size():
+    """A partition's window is at least one row group: with W / P below a row group's rows,
+    a round (a restart's first read) grows with P. Fitted to the window, the partitions
+    (and the round) are the same for a 20x larger data set of the same row groups."""
+    from elastic_ddp.batching import fit_partitions
+
+    W, rg = 65536, 8192
+    for row_groups in (265, 1325, 5300):
+        assert fit_partitions(60, 2, row_groups, row_groups * rg) == (12 if row_groups < 600 else 60)
+        p = fit_partitions(60, 2, row_groups, row_groups * rg, window_rows=W, unit_rows=rg)
+        assert p == 12, (row_groups, p)
+    # Small row groups: the window allows more partitions, the row-group count decides.
+    assert fit_partitions(60, 2, 5300, 5300 * 512, window_rows=W, unit_rows=512) == 60
+    assert fit_partitions(60, 2, 5300, 5300 * 2048, window_rows=W, unit_rows=2048) == 12
+    # Larger windows allow more partitions again (W / unit_rows = 64 >= 60).
+    assert fit_partitions(60, 2, 5300, 5300 * rg, window_rows=64 * rg, unit_rows=rg) == 60
+
+
+def test_epoch_partitions_counts_blocks_as_the_shuffled_units(tmp_path):
+    from elastic_ddp.data.ingest import epoch_partitions
+
+    _data(tmp_path, n=12000, files=4, rg=20)   # 600 row groups of 20 rows
+    info = scan_parquet(tmp_path, Echo.columns)
+
+    def parts(**data):
+        return epoch_partitions(info, Config.from_dict({
+            "data": {"train_path": str(tmp_path), **data}, "task": {"path": "tests:Echo"},
+            "batch": {"global_batch_size": 24, "policy": "uneven"},
+            "scaling": {"min_workers": 1, "max_workers": 2}}))
+
+    assert parts(shuffle_window_rows=1200) == 60   # 60 windows of one row group each
+    assert parts(shuffle_window_rows=600) == 12    # 60 would hold 2x the window per round
+    assert parts(shuffle_window_rows=600, block_rows=10) == 60   # blocks of 10 rows fit
+    assert parts(shuffle_window_rows=600, partitions=60) == 60   # set: used as is
+
+
 def test_prefetch_reads_the_first_round_in_the_background_and_changes_no_row(tmp_path):
     """The next epoch's reader (Trainer.prefetch_next) starts its first round early; its
     rows are those of a reader opened at the epoch's start. ``last_round_started`` turns
@@ -306,3 +342,32 @@ def test_prefetch_reads_the_first_round_in_the_background_and_changes_no_row(tmp
         assert np.array_equal(early.take(c, min(g, 600 - c))["sample_id"],
                               plain.take(c, min(g, 600 - c))["sample_id"]), c
     assert early.last_round_started and plain.last_round_started
+
+
+def test_a_small_first_round_is_read_here_and_the_next_round_waits_for_the_first_step(tmp_path):
+    """At a (re)start the first round is read in the trainer's process when its row groups
+    hold at most ``local_first_bytes`` (Ray Data's first execution would start worker
+    processes first); the next round starts once the first step is done, not on the cores
+    that step runs on. A prefetched reader (background) keeps Ray Data. No row changes."""
+    cfg = _cfg(_data(tmp_path, n=600, rg=8), shuffle_window_rows=48, partitions=4)
+    info = scan_parquet(tmp_path, Echo.columns)
+    g = 24
+
+    def reader(**kw):
+        return open_train_reader(info, Echo(), cfg, 1, 2, 1, 0, g, local=True, template=T, **kw)[1]
+
+    fast, ref = reader(local_first_bytes=2**30), reader()
+    assert fast._local_first and not ref._local_first
+    assert not reader(local_first_bytes=1)._local_first    # a round larger than the bound
+    pre = reader(local_first_bytes=2**30)
+    pre.prefetch()
+    assert not pre._local_first and pre._pending is not None
+    first = fast._rounds[0]
+    assert np.array_equal(fast.take(0, g)["sample_id"], ref.take(0, g)["sample_id"])
+    assert fast._pending is None and fast._read_at == first        # deferred
+    assert ref._pending is not None and ref._read_at > first        # started at once
+    for c in range(g, 600, g):
+        assert np.array_equal(fast.take(c, min(g, 600 - c))["sample_id"],
+                              ref.take(c, min(g, 600 - c))["sample_id"]), c
+        assert fast._read_at > first, c                              # from the second step on
+    assert fast.last_round_started

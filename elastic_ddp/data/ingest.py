@@ -39,6 +39,12 @@ SEQ = "_edp_seq"  # bookkeeping column: which read item a row came from
 READ_TASKS = 2
 # Object-store bytes a rank's pipeline may read ahead (data.read_ahead_mib's default).
 READ_AHEAD_BYTES = 256 * 2**20
+# A first round (read before the first step, at a start, restart or epoch start that was
+# not prefetched) of at most this many Parquet bytes is read and transformed in the
+# trainer's process: in a fresh worker process Ray Data's first execution must first start
+# its read-task workers, which costs more than reading a small round here. Larger rounds
+# (many rows, or a transform that decodes big images) keep Ray Data's parallel tasks.
+LOCAL_FIRST_ROUND_BYTES = 64 * 2**20
 
 
 class TransformError(DataError):
@@ -48,13 +54,19 @@ class TransformError(DataError):
 def epoch_partitions(info: DatasetInfo, cfg) -> int:
     """The canonical partitions of the epoch order: ``data.partitions`` when set (a count
     larger than the rows is refused by ``EpochOrder``), else the default fitted to the
-    data set's row groups (``batching.fit_partitions``: fewer partitions when there are
-    few row groups, so that cut row groups add at most ~10% to each rank's reads)."""
+    data set (``batching.fit_partitions``: fewer partitions when there are few row groups,
+    so that cut row groups add at most ~10% to each rank's reads, or when a window of
+    ``shuffle_window_rows / P`` rows would be smaller than a row group (or block), so that
+    a round, and a restart's first read, stays near ``shuffle_window_rows / N`` rows)."""
     from elastic_ddp.batching import fit_partitions
 
     if cfg.data.order == "permutation" or cfg.data.partitions:
         return cfg.partitions
-    return fit_partitions(cfg.partitions, cfg.scaling.max_workers, len(info.row_groups), info.num_rows)
+    block = cfg.data.block_rows
+    units = sum(-(-g.num_rows // block) if block else 1 for g in info.row_groups)
+    return fit_partitions(cfg.partitions, cfg.scaling.max_workers, len(info.row_groups),
+                          info.num_rows, cfg.data.shuffle_window_rows,
+                          info.num_rows / max(1, units))
 
 
 def epoch_order(info: DatasetInfo, cfg, epoch: int) -> EpochOrder:
@@ -241,12 +253,17 @@ class WindowedReader:
     survivors wait for it, and Ray Data's read tasks would first need worker processes
     started (Ray stops idle ones within seconds), on cores the replacement is starting
     on. What it costs: one generation of the lost partitions' windows read and
-    transformed by the trainer's process, without Ray Data's parallelism."""
+    transformed by the trainer's process, without Ray Data's parallelism.
+
+    ``local_first_bytes``: the first round is also read in this process when its row
+    groups hold at most this many Parquet bytes (``LOCAL_FIRST_ROUND_BYTES`` from the
+    trainer; 0: never), unless ``prefetch`` starts it in the background."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, local: bool = False,
                  read_ahead_bytes: float = READ_AHEAD_BYTES,
-                 held: Optional[dict[tuple[int, int], dict[str, np.ndarray]]] = None):
+                 held: Optional[dict[tuple[int, int], dict[str, np.ndarray]]] = None,
+                 local_first_bytes: float = 0.0):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.windows = order.rank_windows(rank, world_size, cursor)
         self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
@@ -269,7 +286,8 @@ class WindowedReader:
         self._rounds = [i for i in range(1, len(todo)) if todo[i][0] != todo[i - 1][0]] + [len(todo)]
         self.bytes_read = _bytes(info, self._todo)
         self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
-        self._local_first = held is not None
+        self._local_first = held is not None or (
+            bool(todo) and _bytes(info, self._todo[:self._rounds[0]]) <= local_first_bytes)
         # Windows are read a round at a time, the next round in a background thread while
         # this one is used. Ray Data's executor then runs only while a round is read: a
         # live executor polls in a loop (GIL and CPU taken from training) for as long as
@@ -280,6 +298,7 @@ class WindowedReader:
         self._next = 0                                  # next window (in _todo) to complete
         self._partial: list[dict[str, np.ndarray]] = []
         self._have = 0
+        self._takes = 0
         self.template: Optional[dict] = None
 
     def held_windows(self) -> dict[tuple[int, int], dict[str, np.ndarray]]:
@@ -312,6 +331,7 @@ class WindowedReader:
     def prefetch(self) -> None:
         """Start reading the first round in the background (no-op once reading began)."""
         if not self._ready and self._pending is None and self._read_at == 0 and self._todo:
+            self._local_first = False  # in the background: Ray Data, off the trainer's GIL
             self._pending = self._read_round()
 
     @property
@@ -327,8 +347,12 @@ class WindowedReader:
             self._pending = self._read_round()
         if self._pending is None:
             return False
+        first_local = self._read_at == self._rounds[0] and self._local_first
         self._ready.extend(self._pending.result())
-        self._pending = self._read_round()
+        # After a first round read here, the next round starts once the first step is
+        # done: Ray Data's first execution starts worker processes on the cores that
+        # step runs on. Costs nothing while a round holds more than one step's rows.
+        self._pending = None if first_local and self._takes <= 1 else self._read_round()
         return True
 
     def _next_batch(self) -> dict[str, np.ndarray]:
@@ -339,6 +363,9 @@ class WindowedReader:
     def take(self, cursor: int, n_rows: int) -> dict[str, np.ndarray]:
         """Rows of this rank in the step over global positions ``[cursor, cursor + n)``,
         partition by partition."""
+        if self._takes and self._pending is None and self._read_at < len(self._todo):
+            self._pending = self._read_round()  # deferred by _fill until this step
+        self._takes += 1
         parts = []
         for p, a, b in self.order.segments(cursor, n_rows):
             if owner(p, self.order.partitions, self.world_size) == self.rank:
@@ -453,18 +480,20 @@ class PermutationReader:
 def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size: int,
                       epoch: int, cursor: int, global_batch_size: int,
                       rows_per_rank: Optional[list[int]] = None, local: bool = False,
-                      template: Optional[dict] = None, held: Optional[dict] = None):
+                      template: Optional[dict] = None, held: Optional[dict] = None,
+                      local_first_bytes: float = 0.0):
     """The order of ``epoch`` and this rank's reader from ``cursor`` (see the module
     docstring). ``template``: a transformed row (shapes of an empty share); ``local``:
     read in this process, without Ray (tests); ``held``: windows of another view's
-    reader of this epoch (``WindowedReader.held_windows``, windowed order only)."""
+    reader of this epoch (``WindowedReader.held_windows``, windowed order only);
+    ``local_first_bytes``: see ``WindowedReader``."""
     order = epoch_order(info, cfg, epoch)
     if order.mode == "permutation":
         reader = PermutationReader(info, task, order, rank, world_size, cursor,
                                    global_batch_size, rows_per_rank, local)
     else:
         reader = WindowedReader(info, task, order, rank, world_size, cursor, local,
-                                cfg.data.read_ahead_mib * 2**20, held)
+                                cfg.data.read_ahead_mib * 2**20, held, local_first_bytes)
     if template is not None:
         reader.template = {k: v[:0] for k, v in template.items()}
     return order, reader
