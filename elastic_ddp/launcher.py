@@ -96,10 +96,12 @@ def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[s
 def build_trainer(cfg: Config, job, tracker):
     """The ``TorchTrainer`` for ``cfg`` and a ``trainer.JobSpec`` (not yet fitted)."""
     import ray
+    from ray import cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from elastic_ddp.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.ray_backend import ProcessGroupConfig
     from elastic_ddp.worker import train_func
 
     s = cfg.scaling
@@ -111,11 +113,17 @@ def build_trainer(cfg: Config, job, tracker):
     # A frozen worker (alive, not polling) is declared dead after this (Ray's default
     # 600 s would leave a per-step job short of a replica for ten minutes).
     os.environ.setdefault("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "60")
+    # Ray Train's preemption watcher is one more actor process per worker-group start,
+    # competing for the CPUs the workers start on; it only serves
+    # ray.train.get_preemption_info(), which nothing here reads (a dead node is a worker
+    # failure either way). Set it to 1 to have it back.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     use_gpu = s.use_gpu if s.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) > 0
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
     # collective for a dead peer before Ray Train tears the group down.
-    torch_config = TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=s.collective_timeout_s)
+    # Ray's TorchConfig would make the controller import torch (elastic_ddp.ray_backend).
+    torch_config = ProcessGroupConfig(backend="nccl" if use_gpu else "gloo", timeout_s=s.collective_timeout_s)
     if s.fault_tolerance == "per_step":
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
@@ -133,7 +141,9 @@ def build_trainer(cfg: Config, job, tracker):
     storage_fs, storage_fs_path = uri_to_filesystem(_storage_path(cfg))
     return TorchTrainer(
         train_func,
-        train_loop_config={"job": job},
+        # Pickled here: the controller unpickles train_loop_config when it starts, and the
+        # job's task and data classes would make it import torch and the task's modules.
+        train_loop_config={"job": cloudpickle.dumps(job)},
         torch_config=torch_config,
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=use_gpu,

@@ -1,6 +1,6 @@
 """The Ray Train entry point, run on every rank at every (re)start of the worker group.
 
-    TorchTrainer(train_func, train_loop_config={"job": JobSpec(...)}, ...)   # launcher.py
+    TorchTrainer(train_func, train_loop_config={"job": cloudpickle.dumps(JobSpec(...))}, ...)  # launcher.py
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ def train_func(loop_config: dict) -> None:
     from elastic_ddp.failures import located
     from elastic_ddp.trainer import Trainer
 
-    job = loop_config["job"]
+    from ray import cloudpickle
+
+    job = cloudpickle.loads(loop_config["job"])  # launcher.build_trainer: bytes, for the controller
     ctx = ray.train.get_context()
     scaling = job.config["scaling"]
     torch.set_num_threads(scaling.get("torch_threads") or max(1, int(scaling["cpus_per_worker"])))

@@ -199,10 +199,11 @@ def sample_rows(info, n: int = 2) -> dict:
 
 def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, dict]:
     """Run the task on two real rows before any worker starts: transform (train and
-    val), collate, model build and the loss, whose shape must be [B]. The model is built
-    on PyTorch's ``meta`` device (no memory, no compute: shapes only); a model or loss
-    that the meta device cannot run is retried on the CPU when it has at most 50M
-    parameters, else its loss shape is left for step 1 to check.
+    val), collate, model build and the loss, whose shape must be [B]. A model of at most
+    ``CPU_DRY_RUN_PARAMS`` parameters runs on the CPU; a larger one on PyTorch's ``meta``
+    device (no memory, no compute: shapes only), and when the meta device cannot run it,
+    on the CPU if it has at most 50M parameters, else its loss shape is left for step 1
+    to check.
 
     Returns:
         ``{"train": rows, "val": rows}``: one transformed row of each split (numpy
@@ -238,6 +239,38 @@ def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, d
     return out
 
 
+# Models up to this many parameters are dry-run on the CPU, larger ones on the meta
+# device. Why not meta for all: PyTorch's meta kernels for most ops (the initializers,
+# an add) are Python decompositions that import torch._dynamo on first use, the driver's
+# largest single start-up cost, while a small model's real forward on two rows costs
+# less. The price: up to 4 bytes x this many of driver memory for a moment.
+CPU_DRY_RUN_PARAMS = 20_000_000
+
+
+def count_params(cfg: Config, task: Task) -> Optional[int]:
+    """The model's parameter count, built on the meta device with its initializers
+    skipped (they only fill values the meta device does not hold, and their meta kernels
+    import torch._dynamo). None when the model cannot be built that way."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _SkipInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            t = args[0] if args else kwargs.get("tensor")
+            if getattr(func, "__module__", None) == "torch.nn.init" and getattr(t, "is_meta", False):
+                return t
+            return func(*args, **kwargs)
+
+    try:
+        with torch.device("meta"), _SkipInit():
+            return sum(p.numel() for p in build_model(cfg, task).parameters())
+    except TaskError:
+        raise
+    except Exception:  # noqa: BLE001 - the meta-then-CPU path below reports it
+        return None
+
+
 def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
     import torch
 
@@ -251,20 +284,23 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
         _, extra = _split_loss(task.loss(model, moved), n)
         check_metric_names(task, extra)
 
-    try:
-        run("meta")
-        return
-    except TaskError:
-        raise
-    except ValueError as e:
-        if "Task.loss must return" in str(e):
-            raise TaskError(str(e)) from None
-    except Exception:  # noqa: BLE001 - an op without a meta kernel, or a real error: see CPU
-        pass
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in build_model(cfg, task).parameters())
-    if n_params > 50_000_000:
-        return
+    n_params = count_params(cfg, task)
+    if n_params is None or n_params > CPU_DRY_RUN_PARAMS:
+        try:
+            run("meta")
+            return
+        except TaskError:
+            raise
+        except ValueError as e:
+            if "Task.loss must return" in str(e):
+                raise TaskError(str(e)) from None
+        except Exception:  # noqa: BLE001 - an op without a meta kernel, or a real error: see CPU
+            pass
+        if n_params is None:
+            with torch.device("meta"):
+                n_params = sum(p.numel() for p in build_model(cfg, task).parameters())
+        if n_params > 50_000_000:
+            return
     try:
         run("cpu")
     except TaskError:

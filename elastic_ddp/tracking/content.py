@@ -166,16 +166,14 @@ def log_job_inputs(uri: str, run_id: str, cfg: Config, task, train_info, val_inf
         extra["data.val_rows"] = val_info.num_rows
     if task is not None:
         extra["task"] = f"{type(task).__module__}.{type(task).__qualname__}"
+        from elastic_ddp.tasks.loading import count_params
+
         try:
-            import torch
-
-            from elastic_ddp.tasks.loading import build_model
-
-            with torch.device("meta"):
-                model = build_model(cfg, task)
-            extra["model.parameters"] = sum(p.numel() for p in model.parameters())
-        except Exception:  # noqa: BLE001 - a model the meta device cannot build
-            pass
+            n_params = count_params(cfg, task)
+        except Exception:  # noqa: BLE001 - a model that cannot be built: no such param
+            n_params = None
+        if n_params is not None:
+            extra["model.parameters"] = n_params
     log_params(uri, run_id, extra)
 
 

@@ -1,0 +1,128 @@
+"""What the driver's dry run and the Ray Train controller import: start-up cost that is
+on the path from the command to the first step (README "Recovery, measured").
+
+Each check runs in a fresh interpreter, since this one has imported everything. Fast
+tier: no Ray cluster starts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import digits_config
+from elastic_ddp.config import Config
+from elastic_ddp.tasks import loading
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fresh(code: str, tmp: Path) -> dict:
+    """Run ``code`` in a new interpreter; it prints one JSON line last."""
+    script = tmp / "probe.py"
+    script.write_text(textwrap.dedent(code))
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_dry_run_of_a_small_model_does_not_import_torch_dynamo(digits_data, tmp_path):
+    # The meta device's kernels for the initializers and most ops import torch._dynamo
+    # (about a second of the driver's start-up); a small model runs on the CPU instead.
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(digits_config(digits_data, tmp_path)))
+    out = _fresh(f"""
+        import json, sys
+        from elastic_ddp.config import Config
+        from elastic_ddp.preflight import prepare
+        cfg = Config.load({str(cfg_file)!r})
+        task, train_info, val_info, sample = prepare(cfg, None)
+        from elastic_ddp.tasks.loading import count_params
+        n = count_params(cfg, task)
+        print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules, "n": n, "keys": sorted(sample["train"])}}))
+    """, tmp_path)
+    assert out["dynamo"] is False
+    cfg = Config.load(cfg_file)
+    task = loading.load_task(cfg)
+    assert out["n"] == sum(p.numel() for p in loading.build_model(cfg, task).parameters())
+    assert "sample_id" in out["keys"] and len(out["keys"]) > 1  # the dry run ran: a transformed row
+
+
+def test_a_model_over_the_cpu_limit_is_still_dry_run_on_the_meta_device(digits_data, tmp_path, monkeypatch):
+    from elastic_ddp.data.scan import scan_parquet
+
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    task = loading.load_task(cfg)
+    info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
+    devices = []
+    real = loading.build_model
+
+    def spy(c, t):
+        import torch
+
+        devices.append(str(torch.empty(0).device))
+        return real(c, t)
+
+    monkeypatch.setattr(loading, "build_model", spy)
+    loading.preflight(cfg, task, info, None)
+    assert devices[-1] == "cpu"
+    devices.clear()
+    monkeypatch.setattr(loading, "CPU_DRY_RUN_PARAMS", 10)
+    loading.preflight(cfg, task, info, None)
+    assert devices and set(devices) == {"meta"}
+
+
+def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_data, tmp_path):
+    # The controller process unpickles the trainer's run context (train_loop_config,
+    # backend config) and callbacks when it starts; torch there costs a second or more
+    # before any worker exists.
+    from ray import cloudpickle
+
+    from elastic_ddp.launcher import build_trainer
+    from elastic_ddp.preflight import prepare
+    from elastic_ddp.run_state import JobSpec
+
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path, {"scaling": {"use_gpu": False}}))
+    task, train_info, val_info, sample = prepare(cfg, None)
+    job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info, val=val_info,
+                  tracker=None, t0=0.0, sample=sample, storage=str(tmp_path / "ray_results"))
+    trainer = build_trainer(cfg, job, None)
+    blob = tmp_path / "controller_args.pkl"
+    blob.write_bytes(cloudpickle.dumps((trainer.train_run_context, trainer._create_default_callbacks())))
+    out = _fresh(f"""
+        import json, sys
+        from ray import cloudpickle
+        ctx, callbacks = cloudpickle.loads(open({str(blob)!r}, "rb").read())
+        print(json.dumps({{"torch": "torch" in sys.modules, "backend": ctx.backend_config.backend,
+                           "job_bytes": isinstance(ctx.train_loop_config["job"], bytes)}}))
+    """, tmp_path)
+    assert out == {"torch": False, "backend": "gloo", "job_bytes": True}
+    # What the workers get back is the whole job.
+    back = cloudpickle.loads(trainer.train_run_context.train_loop_config["job"])
+    assert back.train.num_rows == train_info.num_rows and type(back.task) is type(task)
+
+
+def test_the_process_group_backend_calls_functions_ray_still_has():
+    # elastic_ddp.ray_backend runs Ray's own worker-side set-up; a Ray upgrade that
+    # renames them must fail here, not in a job.
+    import inspect
+
+    from ray.train.torch import config as ray_torch
+
+    for name, params in (("_setup_torch_process_group", {"backend", "world_rank", "world_size",
+                                                         "init_method", "timeout_s"}),
+                         ("_set_torch_distributed_env_vars", set()),
+                         ("_shutdown_torch", {"destroy_process_group"})):
+        fn = getattr(ray_torch, name)
+        assert params <= set(inspect.signature(fn).parameters), name
+    from elastic_ddp.ray_backend import ProcessGroupConfig
+
+    with pytest.raises(ValueError, match="backend='hccl'"):
+        ProcessGroupConfig(backend="hccl")
+    assert ProcessGroupConfig(backend="nccl").to_dict()["backend"] == "nccl"
