@@ -93,6 +93,28 @@ def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[s
     return run_id, resumed, cfg
 
 
+def _trainer_class(torch_trainer):
+    """``TorchTrainer`` without Ray Train's datasets callback when no dataset is passed.
+
+    That callback starts a ``DatasetManager`` actor, one more Python process that imports
+    Ray Data, at every worker-group start and restart, on the cores the new workers
+    start on; with no ``datasets`` it manages nothing. Each rank here reads through its
+    own pipeline (``elastic_ddp.data.ingest``) and sets its own ``DataContext``, so the
+    driver's ``DataContext``, which the callback would also copy to the workers, is not
+    needed there. What it costs: this overrides a private method of Ray Train
+    (``tests/test_startup_imports.py`` fails if it stops applying)."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class Trainer(torch_trainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return Trainer
+
+
 def build_trainer(cfg: Config, job, tracker):
     """The ``TorchTrainer`` for ``cfg`` and a ``trainer.JobSpec`` (not yet fitted)."""
     import ray
@@ -139,7 +161,7 @@ def build_trainer(cfg: Config, job, tracker):
 
     # Ray Train gets the file system and the path, never a string to parse as a URI.
     storage_fs, storage_fs_path = uri_to_filesystem(_storage_path(cfg))
-    return TorchTrainer(
+    return _trainer_class(TorchTrainer)(
         train_func,
         # Pickled here: the controller unpickles train_loop_config when it starts, and the
         # job's task and data classes would make it import torch and the task's modules.

@@ -103,6 +103,18 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
                            "job_bytes": isinstance(ctx.train_loop_config["job"], bytes)}}))
     """, tmp_path)
     assert out == {"torch": False, "backend": "gloo", "job_bytes": True}
+    # No Ray Train datasets callback (its DatasetManager actor is one more process at
+    # every worker-group start), and Ray Train still builds its callbacks where the
+    # override applies.
+    import inspect
+
+    from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    names = {type(c).__name__ for c in trainer._create_default_callbacks()}
+    assert DatasetsCallback.__name__ not in names and BackendSetupCallback.__name__ in names
+    assert "self._create_default_callbacks()" in inspect.getsource(DataParallelTrainer.fit)
     # What the workers get back is the whole job.
     back = cloudpickle.loads(trainer.train_run_context.train_loop_config["job"])
     assert back.train.num_rows == train_info.num_rows and type(back.task) is type(task)
