@@ -39,6 +39,7 @@ STEPS = 3
 def torchrun_first_step(tmp: Path) -> float:
     """Seconds from launching ``torchrun`` to the end of its first step (rank 0)."""
     log = tmp / "steps.jsonl"
+    log.unlink(missing_ok=True)  # the baseline appends to its step log
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
            str(ROOT / "experiments/torchrun_baseline.py"), CONFIG, "--set", f"train.max_steps={STEPS}",
            "--warmup-steps", "1", "--step-log", str(log)]

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from elastic_ddp.config import Config
     from elastic_ddp.data.prepare import prepare_digits
-    from elastic_ddp.data.scan import scan_parquet
+    from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.launcher import train
     from elastic_ddp.ledger import audit, format_audit
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             raise result["error"]
         summary = result["summary"]
         wall = time.time() - t0
-        ids = scan_parquet(str(data / "train"), "x", "sample_id", "y").sample_ids
+        ids = read_sample_ids(data / "train")
         report = audit(ledger, ids, args.epochs)
         figures = {
             "wall_s": round(wall, 1), "goodput": round(summary.goodput, 3),
