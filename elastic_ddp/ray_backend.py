@@ -10,7 +10,7 @@ the same as ``ray.train.torch.config._TorchBackend.on_start`` (master address fr
 0, the ``env://`` variables, one ``init_process_group`` per rank) and every function
 that runs on a worker is Ray's own, imported there, where torch is needed anyway.
 What it costs: this orchestration follows Ray's; a Ray upgrade that changes
-``_TorchBackend`` must be mirrored here (``tests/test_ray_backend.py`` checks that the
+``_TorchBackend`` must be mirrored here (``tests/test_startup_imports.py`` checks that the
 worker-side functions it calls still exist). TPU and HCCL set-up are not covered: the
 config refuses those backends.
 """
