@@ -211,7 +211,13 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
         self.sink.mark("worker_group_starting", world_size=int(worker_group_context.num_workers))
 
     def after_worker_group_start(self, worker_group) -> None:
-        self.sink.mark("worker_group_started")
+        try:
+            # For the driver's clean-up (ray_trainer.remove_leftover_placement_groups).
+            pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+            extra = {"placement_group": pg.id.hex()}
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            extra = {}
+        self.sink.mark("worker_group_started", **extra)
         try:
             workers = worker_group.get_workers()
             self.sink.workers = {

@@ -25,7 +25,7 @@ from elastic_ddp.preflight import (_report_skipped, check_ray_address, check_sto
                                    prepare, process_start_time)
 from elastic_ddp.report import ProgressDisplay, Summary
 
-RAY_RUN_NAME_TAG = "elastic_ddp.ray_run_name"
+from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
 
 
 class TrainingError(RuntimeError):
@@ -75,44 +75,8 @@ def _init_ray(cfg: Config) -> None:
         routing.attach()
 
 
-def _driver_setup(cfg: Config, storage: str, uri: str, parent_run_id: Optional[str],
-                  task=None, train_info=None, val_info=None):
-    """What the driver needs besides Ray, run while ``ray.init`` waits for its processes:
-    the job's MLflow run (opened or reopened, with its data sets and model size), the Ray
-    run name, and Ray Train imported. Returns (run_id, resumed, cfg)."""
-    run_id, resumed = tracking.open_run(cfg, storage, uri, parent_run_id=parent_run_id)
-    try:
-        if train_info is not None:
-            tracking.log_job_inputs(uri, run_id, cfg, task, train_info, val_info, resumed)
-        cfg = _with_ray_run_name(cfg, storage, uri, run_id, resumed)
-        import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
-    except BaseException as e:
-        # The run is open: it must not stay RUNNING.
-        _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}", "FAILED")
-        raise
-    return run_id, resumed, cfg
-
-
-def _trainer_class(torch_trainer):
-    """``TorchTrainer`` without Ray Train's datasets callback when no dataset is passed.
-
-    That callback starts a ``DatasetManager`` actor, one more Python process that imports
-    Ray Data, at every worker-group start and restart, on the cores the new workers
-    start on; with no ``datasets`` it manages nothing. Each rank here reads through its
-    own pipeline (``elastic_ddp.data.ingest``) and sets its own ``DataContext``, so the
-    driver's ``DataContext``, which the callback would also copy to the workers, is not
-    needed there. What it costs: this overrides a private method of Ray Train
-    (``tests/test_startup_imports.py`` fails if it stops applying)."""
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-
-    class Trainer(torch_trainer):
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
-
-    return Trainer
+def _import_ray_train() -> None:
+    import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
 
 
 def build_trainer(cfg: Config, job, tracker):
@@ -124,6 +88,7 @@ def build_trainer(cfg: Config, job, tracker):
 
     from elastic_ddp.events import ControllerEvents, ElasticEvents
     from elastic_ddp.ray_backend import ProcessGroupConfig
+    from elastic_ddp.ray_trainer import trainer_class
     from elastic_ddp.worker import train_func
 
     s = cfg.scaling
@@ -161,7 +126,7 @@ def build_trainer(cfg: Config, job, tracker):
 
     # Ray Train gets the file system and the path, never a string to parse as a URI.
     storage_fs, storage_fs_path = uri_to_filesystem(_storage_path(cfg))
-    return _trainer_class(TorchTrainer)(
+    return trainer_class(TorchTrainer)(
         train_func,
         # Pickled here: the controller unpickles train_loop_config when it starts, and the
         # job's task and data classes would make it import torch and the task's modules.
@@ -212,45 +177,57 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
         TrainingError: training failed beyond its restart budget or deterministically;
             the MLflow run is closed as FAILED.
     """
-    import ray
-
-    from elastic_ddp.trainer import JobSpec
-
-    t0 = time.time()
-    marks = {"process_start": command_start or t0, "train_called": t0}
-    task, train_info, val_info, sample = prepare(cfg, task)
-    if on_validated is not None:
-        on_validated(cfg)
-    skipped = _report_skipped(train_info, val_info)
-    check_ray_address()
-    marks["scanned"] = time.time()
+    # First, before torch: the MLflow helper imports MLflow on another core while this
+    # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).
     uri = tracking.default_tracking_uri(cfg)
+    opener = RunOpener(uri)
+    try:
+        import ray
+
+        from elastic_ddp.run_state import JobSpec
+
+        t0 = time.time()
+        marks = {"process_start": command_start or t0, "train_called": t0}
+        task, train_info, val_info, sample = prepare(cfg, task)
+        if on_validated is not None:
+            on_validated(cfg)
+        skipped = _report_skipped(train_info, val_info)
+        check_ray_address()
+        params = tracking.task_params(cfg, task)
+    except BaseException:
+        opener.cancel()  # no run is opened for a job that fails its checks
+        raise
+    marks["scanned"] = time.time()
     storage = _storage_path(cfg)
-    # ray.init mostly waits for its GCS and raylet processes to come up; the driver's own
-    # set-up runs beside it in a thread (opening the MLflow run, importing Ray Train and
-    # torch). Errors in the thread are re-raised here, after ray.init.
-    side = Background(_driver_setup, cfg, storage, uri, parent_run_id, task, train_info, val_info,
-                      name="driver-setup")
+    opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
+                train_info=train_info, val_info=val_info, skipped=skipped)
+    # ray.init mostly waits for its GCS and raylet processes to come up (a local cluster);
+    # Ray Train's import runs beside it.
+    side = Background(_import_ray_train, name="import-ray-train")
+    tracker = None
     try:
         _init_ray(cfg)
         marks["ray_ready"] = time.time()
-        run_id, resumed, cfg = side.result()
+        tracker = tracking.start_tracker(uri)
+        side.result()
+        opened = opener.result()
     except BaseException as e:
         # The run may be open by now (opened beside ray.init): close it, then re-raise.
-        # (A set-up that failed, e.g. a deleted experiment, raises again here: no run.)
+        # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
         try:
-            run_id = side.result()[0]
-        except BaseException:  # noqa: BLE001 - set-up failed too: no run is left open
+            run_id = opener.result()["run_id"]
+        except BaseException:  # noqa: BLE001 - the open failed too: no run is left open
+            if tracker is not None:
+                ray.kill(tracker)
             raise e from None
+        if tracker is not None:
+            ray.kill(tracker)
         _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
-                      "FAILED" if isinstance(e, Exception) else "KILLED")
+                      "FAILED" if isinstance(e, Exception) else "KILLED", opener)
         raise
-    tracker = None
+    run_id, resumed, cfg = opened["run_id"], opened["resumed"], opened["cfg"]
     try:
-        if skipped:
-            tracking.log_text(uri, run_id, json.dumps(skipped, indent=1), "data/skipped.json")
-            tracking.set_tags(uri, run_id, {"elastic_ddp.data_skipped": sum(map(len, skipped.values()))})
-        tracker = tracking.start_tracker(uri, run_id, resumed)
+        tracker.bind.remote(run_id, **opened["attempts"])
         from elastic_ddp.batching import run_length
 
         total = run_length(cfg, train_info.num_rows, cfg.scaling.max_workers)[1].total_steps
@@ -262,31 +239,57 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
                       ledger_dir=ledger_dir, fault=fault)
         trainer = build_trainer(cfg, job, tracker)
         marks["fit_called"] = time.time()
-        if progress:
-            with ProgressDisplay(tracker, total):
+        try:
+            if progress:
+                with ProgressDisplay(tracker, total):
+                    result = trainer.fit()
+            else:
                 result = trainer.fit()
-        else:
-            result = trainer.fit()
+        except BaseException:
+            _after_failed_fit(tracker)
+            raise
+        opener.finish()  # the system metrics end with the training
         return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, task, sample,
                        train_info.num_rows, storage)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.failures import describe_training_error
 
         msg = describe_training_error(e)
-        _close_failed(uri, run_id, tracker, msg, "FAILED")
+        _close_failed(uri, run_id, tracker, msg, "FAILED", opener)
         raise TrainingError(f"training failed (MLflow run {run_id} marked FAILED): {msg}") from e
     except BaseException:
         # Ctrl-C or SystemExit: the run must not stay RUNNING in the store; checkpoints
         # are kept, so resubmitting the same run.name resumes it.
-        _close_failed(uri, run_id, tracker, "interrupted", "KILLED")
+        _close_failed(uri, run_id, tracker, "interrupted", "KILLED", opener)
         raise
     finally:
+        opener.finish()
         if tracker is not None:
             ray.kill(tracker)
 
 
-def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str) -> None:
+def _after_failed_fit(tracker) -> None:
+    """A controller that died (rather than failed) leaves its placement group reserved."""
     import ray
+
+    try:
+        timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
+        from elastic_ddp.ray_trainer import remove_leftover_placement_groups
+
+        removed = remove_leftover_placement_groups(timeline)
+    except Exception:  # noqa: BLE001 - the job's own error is the one to raise
+        return
+    if removed:
+        print(f"elastic-ddp: removed {len(removed)} placement group(s) the stopped Ray Train "
+              "controller left reserved", flush=True)
+
+
+def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str,
+                  opener: Optional[RunOpener] = None) -> None:
+    import ray
+
+    if opener is not None:
+        opener.finish()
 
     if tracker is not None:
         try:
@@ -300,32 +303,3 @@ def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str) -> None
 
         print(f"elastic-ddp: warning: could not mark MLflow run {run_id} {status} "
               f"({type(e).__name__}: {e}); it may still read RUNNING", file=sys.stderr, flush=True)
-
-
-def _with_ray_run_name(cfg: Config, storage: str, uri: str, run_id: str, resumed: bool) -> Config:
-    """The Ray Train run directory for this job. Ray Train restores a run from
-    ``storage_path/name`` by itself, so an unfinished job resumes by reusing the name its
-    MLflow run recorded, while a new job whose name is already taken by a finished one
-    gets ``name-<run id prefix>`` instead of silently "resuming" a completed run with zero
-    steps (running ``make train`` twice trains twice)."""
-    ray_name = tracking.run_info(uri, run_id).data.tags.get(RAY_RUN_NAME_TAG) if resumed else None
-    if ray_name is None:
-        ray_name = cfg.run.name
-        if not resumed and _run_dir_exists(storage, ray_name):
-            ray_name = f"{cfg.run.name}-{run_id[:8]}"
-        tracking.set_tags(uri, run_id, {RAY_RUN_NAME_TAG: ray_name})
-    if ray_name == cfg.run.name:
-        return cfg
-    out = cfg.model_copy(deep=True)
-    out.run.name = ray_name
-    return out
-
-
-def _run_dir_exists(storage: str, name: str) -> bool:
-    import pyarrow.fs
-
-    from elastic_ddp.paths import uri_to_filesystem
-
-    # Never "file://" + path: a space, '#' or '?' in the path would break the URI.
-    fs, base = uri_to_filesystem(storage)
-    return fs.get_file_info(f"{base.rstrip('/')}/{name}").type != pyarrow.fs.FileType.NotFound

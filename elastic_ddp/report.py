@@ -94,8 +94,8 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
 STARTUP_PHASES = (
     ("imports_s", "process_start", "train_called"),      # interpreter + imports
     ("scan_s", "train_called", "scanned"),               # footers, task dry run
-    ("ray_init_s", "scanned", "ray_ready"),             # MLflow run, imports beside it
-    ("driver_setup_s", "ray_ready", "fit_called"),      # tracker actor, trainer build
+    ("ray_init_s", "scanned", "ray_ready"),             # Ray up; Ray Train imported beside it
+    ("driver_setup_s", "ray_ready", "fit_called"),      # tracker, MLflow run (helper), trainer
     ("controller_s", "fit_called", "controller_started"),  # controller actor + imports
     ("scheduling_s", "controller_started", "worker_group_starting"),
     ("worker_group_s", "worker_group_starting", "worker_group_started"),  # actors + process group

@@ -524,7 +524,7 @@ def test_the_tracker_drops_what_the_store_refuses_and_writes_the_rest(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
-    tracker = JobTracker(uri, run_id, flush_period_s=0.2, system_metrics=False)
+    tracker = JobTracker(uri, run_id, flush_period_s=0.2)
     tracker.log_metrics({"train_loss": 0.5, "train_acc@1": 0.9}, 1)
     tracker.log_metrics({"train_loss": 0.4}, 2)
     assert tracker.flush(30)
@@ -617,7 +617,7 @@ def test_a_locked_store_delays_metrics_and_the_drivers_calls_but_loses_nothing(t
     uri = f"sqlite:///{db}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
-    tracker = JobTracker(uri, run_id, flush_period_s=0.2, system_metrics=False)
+    tracker = JobTracker(uri, run_id, flush_period_s=0.2)
     tracker.log_metrics({"train_loss": 1.0}, 1)
     assert tracker.flush(30)
     lock = hold_sqlite_lock(db, 25)

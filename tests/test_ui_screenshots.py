@@ -33,7 +33,7 @@ def _finished_run(tmp: Path) -> tuple[str, str]:
     cfg = Config.from_dict(digits_config(tmp / "d", tmp))
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     run_id, _ = tracking.open_run(cfg, "storage", uri)
-    w = tracking.JobTracker(uri, run_id, flush_period_s=0.2, system_metrics=False)
+    w = tracking.JobTracker(uri, run_id, flush_period_s=0.2)
     for step in range(1, 41, 5):  # what rank 0 sends, under the trainer's raw names
         w.log_metrics({"step": step, "epoch": 1 + step // 20, "train_loss": 2.0 / step,
                        "train_acc": 1 - 1.0 / (step + 1), "lr": 0.01, "samples_per_s": 900.0,

@@ -145,13 +145,31 @@ def source_tags() -> dict[str, str]:
 
 
 
-def log_job_inputs(uri: str, run_id: str, cfg: Config, task, train_info, val_info,
-                   resumed: bool) -> None:
+def task_params(cfg: Config, task) -> dict[str, Any]:
+    """The params only the loaded task knows: ``task`` (its class) and
+    ``model.parameters`` (count, built on the meta device: no memory; left out when the
+    model cannot be built). Computed where the task is loaded (the driver), so that the
+    process that writes them (:mod:`elastic_ddp.tracking.opener`) needs neither torch nor
+    the task's modules."""
+    if task is None:
+        return {}
+    from elastic_ddp.tasks.loading import count_params
+
+    out: dict[str, Any] = {"task": f"{type(task).__module__}.{type(task).__qualname__}"}
+    try:
+        out["model.parameters"] = count_params(cfg, task)
+    except Exception:  # noqa: BLE001 - a model that cannot be built: no such param
+        pass
+    return out
+
+
+def log_job_inputs(uri: str, run_id: str, cfg: Config, task_params: dict[str, Any], train_info,
+                   val_info, resumed: bool) -> None:
     """What the job reads, in its run: the training (and validation) set as dataset
     inputs (:func:`log_dataset`) and, for a new run, the params known only once the task
-    and the data are loaded: ``task`` (its class), ``model.parameters`` (count, built on
-    the meta device: no memory), ``data.train_rows``/``data.val_rows`` and, when unset,
-    the ``data.partitions`` the order uses (``data.ingest.epoch_partitions``)."""
+    and the data are loaded: ``task_params`` (:func:`task_params`),
+    ``data.train_rows``/``data.val_rows`` and, when unset, the ``data.partitions`` the
+    order uses (``data.ingest.epoch_partitions``)."""
     log_dataset(uri, run_id, train_info, "training")
     if val_info is not None:
         log_dataset(uri, run_id, val_info, "validation")
@@ -164,18 +182,8 @@ def log_job_inputs(uri: str, run_id: str, cfg: Config, task, train_info, val_inf
         extra["data.partitions"] = epoch_partitions(train_info, cfg)  # the default, fitted
     if val_info is not None:
         extra["data.val_rows"] = val_info.num_rows
-    if task is not None:
-        extra["task"] = f"{type(task).__module__}.{type(task).__qualname__}"
-        from elastic_ddp.tasks.loading import count_params
-
-        try:
-            n_params = count_params(cfg, task)
-        except Exception:  # noqa: BLE001 - a model that cannot be built: no such param
-            n_params = None
-        if n_params is not None:
-            extra["model.parameters"] = n_params
+    extra.update(task_params)
     log_params(uri, run_id, extra)
-
 
 
 def log_dataset(uri: str, run_id: str, info, context: str) -> None:

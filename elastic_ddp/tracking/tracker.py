@@ -1,6 +1,5 @@
 """The job's tracker actor (:class:`JobTracker`, one per job, holding the MLflow client
-across worker-group restarts), MLflow's system-metrics monitor inside it, and the
-workers' fire-and-forget :class:`TrackerClient`."""
+across worker-group restarts) and the workers' fire-and-forget :class:`TrackerClient`."""
 
 from __future__ import annotations
 
@@ -9,10 +8,12 @@ import threading
 import time
 from typing import Any, Optional
 
-
-from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS, SYSTEM_METRICS_INTERVAL_S,
+from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
                                         WORLD_SIZES_TAG, _display_rank, _transient, client,
                                         metric_key, run_info)
+
+# How long the tracker may hold everything back before a first step (see JobTracker).
+STORE_DEFER_S = 30.0
 
 
 class JobTracker:
@@ -26,14 +27,11 @@ class JobTracker:
     controller ``timeline``, and the write counters ``delayed``/``dropped``.
     """
 
-    def __init__(self, uri: str, run_id: str, flush_period_s: float = 1.0,
-                 attempts_before: int = 0, world_sizes_before: Optional[list] = None,
-                 system_metrics: bool = True):
-        self.uri, self.run_id = uri, run_id
-        # Worker-group starts of this job in earlier submissions (the run's tags), so the
-        # restart count holds across resubmissions.
-        self._attempts = int(attempts_before)
-        self._world_sizes = [int(w) for w in (world_sizes_before or [])]
+    def __init__(self, uri: str, run_id: Optional[str] = None, flush_period_s: float = 1.0,
+                 attempts_before: int = 0, world_sizes_before: Optional[list] = None):
+        self.uri, self.run_id = uri, None
+        self._bound = threading.Event()
+        self._attempts, self._world_sizes = 0, []
         self._outage_since: Optional[float] = None
         self.unavailable_s = 0.0
         self._early_updates: dict[int, dict[str, Any]] = {}
@@ -51,8 +49,26 @@ class JobTracker:
         self._period = flush_period_s
         self._client = None
         self._written = self._requested = 0
+        # MLflow is imported only once the first step is done (or a flush is asked for,
+        # or STORE_DEFER_S passed): at a job's start that import would take turns for the
+        # CPUs with the controller and the workers, which start at the same time. Until
+        # then everything is buffered. (MLflow's system-metrics monitor runs in the
+        # driver's helper process, elastic_ddp.tracking.opener, from the run's opening.)
+        self._go = threading.Event()
+        if run_id is not None:
+            self.bind(run_id, attempts_before, world_sizes_before)
         threading.Thread(target=self._loop, name="mlflow-writer", daemon=True).start()
-        self._sysmon = start_system_metrics(uri, run_id) if system_metrics else None
+
+    def bind(self, run_id: str, attempts_before: int = 0, world_sizes_before: Optional[list] = None) -> None:
+        """The run to write to, once it is open (the driver starts the tracker before).
+        ``attempts_before``/``world_sizes_before``: worker-group starts of this job in
+        earlier submissions (the run's tags), so the restart count holds across
+        resubmissions."""
+        with self._lock:
+            self.run_id = run_id
+            self._attempts = int(attempts_before) + self._attempts
+            self._world_sizes = [int(w) for w in (world_sizes_before or [])] + self._world_sizes
+        self._bound.set()
 
     # -- calls from workers, controller and driver -----------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -78,6 +94,7 @@ class JobTracker:
         """A worker group's rank 0 starts (restored its checkpoint): count it. Returns
         ``{"attempts": starts of this job so far, this one included, "world_sizes": their
         world sizes}``; also kept as the run's tags for a resubmission."""
+        self._bound.wait(30)  # the earlier submissions' count first
         with self._lock:
             self._attempts += 1
             self._world_sizes.append(int(world_size))
@@ -93,6 +110,8 @@ class JobTracker:
                 self.attempts.append(dict(marks))
             else:
                 self.attempts[-1].update(marks)
+        if "first_step" in marks:
+            self._go.set()
 
     def event(self, event: Optional[dict[str, Any]] = None, timeline: Optional[dict] = None) -> None:
         """Record a controller event (failure, resize) or a timeline mark; both lists are
@@ -137,6 +156,7 @@ class JobTracker:
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything sent so far is written; False when the store is still
         failing after ``timeout_s`` (the rest stays buffered)."""
+        self._go.set()
         with self._cv:
             self._requested += 1
             target = self._requested
@@ -144,18 +164,13 @@ class JobTracker:
             return self._cv.wait_for(lambda: self._written >= target, timeout=timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> bool:
-        """Stop the system-metrics monitor (its last samples written) and flush; the
-        driver calls it before it closes the run."""
-        if self._sysmon is not None:
-            try:
-                self._sysmon.finish()
-            except Exception:  # noqa: BLE001 - monitoring must never fail the job
-                pass
-            self._sysmon = None
+        """Flush everything; the driver calls it before it closes the run."""
         return self.flush(timeout_s)
 
     # -- the writer thread ------------------------------------------------------------
     def _loop(self) -> None:
+        self._go.wait(STORE_DEFER_S)
+        self._bound.wait()  # nothing is written before the run is open
         backoff = self._period
         while True:
             with self._cv:
@@ -243,50 +258,26 @@ class JobTracker:
             self._client.log_text(self.run_id, text, path)
 
 
-def start_system_metrics(uri: str, run_id: str, interval_s: float = SYSTEM_METRICS_INTERVAL_S):
-    """MLflow's ``SystemMetricsMonitor`` for the run (``system/*``: CPU %, memory, disk,
-    network, and GPU utilisation/memory/power when NVML finds a GPU), sampling this
-    machine every ``interval_s`` seconds until the run stops RUNNING or ``finish()``.
-    A resumed job's samples continue the run's system steps. None when psutil is
-    missing or the monitor cannot start (monitoring never stops a job)."""
-    import logging
+def start_tracker(uri: str, run_id: Optional[str] = None, attempts: Optional[dict[str, Any]] = None):
+    """The job's :class:`JobTracker` actor on the head node (no CPU reserved). Started by
+    the driver as soon as Ray is up, before the run is open, so that its process starts
+    while the driver waits for the MLflow helper rather than beside the Ray Train
+    controller; ``tracker.bind.remote(run_id, **attempts)`` then names the run. With
+    ``run_id`` it is bound at once. ``attempts``: a resumed run's worker-group starts so
+    far (:func:`_attempts_so_far`, read from the run's tags)."""
+    import uuid
 
-    try:
-        import psutil  # noqa: F401 - what MLflow's CPU, memory, disk and network monitors read
-    except ImportError:
-        return None
-    try:
-        import pynvml  # noqa: F401 - nvidia-ml-py: MLflow's GPU monitor (NVML), where a GPU is
-    except ImportError:
-        pass
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        # Its "Started monitoring"/"Skip logging GPU metrics" INFO lines: the actor's log.
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        mon = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
-                                   tracking_uri=uri)
-        mon.start()
-        return mon
-    except Exception:  # noqa: BLE001 - psutil missing, store unreachable
-        return None
-
-
-def start_tracker(uri: str, run_id: str, resumed: bool = False):
-    """The job's :class:`JobTracker` actor on the head node (no CPU reserved), named after
-    the run so a restarted controller finds the same one. ``resumed``: the run is an
-    earlier submission's; its worker-group starts so far are read from the run's tags."""
     import ray
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cls = ray.remote(num_cpus=0, max_concurrency=8)(JobTracker)
     return cls.options(
-        name=f"elastic-ddp-tracker-{run_id}", get_if_exists=True,
+        name=f"elastic-ddp-tracker-{run_id or uuid.uuid4().hex}", get_if_exists=True,
         # Hard affinity: with soft=True Ray placed it on a worker node when the head's
         # worker processes were busy, and removing that node failed the job.
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(uri, run_id, **(_attempts_so_far(uri, run_id) if resumed else {}))
+    ).remote(uri, run_id, **(attempts or {}) if run_id else {})
 
 
 def head_node_id() -> str:
