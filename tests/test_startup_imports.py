@@ -112,9 +112,22 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
     names = {type(c).__name__ for c in trainer._create_default_callbacks()}
     assert DatasetsCallback.__name__ not in names and BackendSetupCallback.__name__ in names
+    assert PlacementGroupCleanerCallback.__name__ not in names
     assert "self._create_default_callbacks()" in inspect.getsource(DataParallelTrainer.fit)
+    # elastic_ddp.ray_trainer.run_controller mirrors Ray's controller start; the parts it
+    # copies and patches must still be there.
+    src = inspect.getsource(DataParallelTrainer._initialize_and_run_controller)
+    for piece in ("get_env_vars_to_propagate()", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR", "label_selector",
+                  "_register_sigint_handler(controller)", "controller.run.remote()", "controller.get_result.remote()"):
+        assert piece in src, piece
+    assert "self._initialize_and_run_controller(" in inspect.getsource(DataParallelTrainer.fit)
+    from ray.train.v2._internal.execution.worker_group import worker_group
+
+    assert "get_env_vars_to_propagate()" in inspect.getsource(worker_group.WorkerGroup._get_worker_runtime_env)
     # What the workers get back is the whole job.
     back = cloudpickle.loads(trainer.train_run_context.train_loop_config["job"])
     assert back.train.num_rows == train_info.num_rows and type(back.task) is type(task)

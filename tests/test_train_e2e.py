@@ -15,6 +15,7 @@ DDP across 2 worker processes, and a sqlite MLflow store under tmp_path.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -202,6 +203,18 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     assert abs(sum(phases.values()) - st["total_s"]) < 0.05, st
     logged = _client(tmp_path).get_run(summary.run_id).data.metrics
     assert logged["startup_s"] == pytest.approx(st["total_s"]), logged
+    # The worker group's placement group is in the controller's timeline (for the driver's
+    # clean-up after a controller death), and the controller removed it when it stopped.
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    from elastic_ddp.tracking import download_artifact
+
+    timeline = json.loads(Path(download_artifact(cfg.run.tracking_uri, summary.run_id, "events/timeline.json",
+                                                 str(tmp_path))).read_text())
+    pgs = [m["placement_group"] for m in timeline if m["what"] == "worker_group_started"]
+    assert len(pgs) == 1, timeline
+    assert placement_group_table(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pgs[0]))))["state"] == "REMOVED"
 
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1, [r.info.run_id for r in runs]

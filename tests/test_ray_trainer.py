@@ -1,0 +1,101 @@
+"""``elastic_ddp.ray_trainer`` on a real local Ray cluster: the controller gets its
+``RAY_TRAIN_*`` settings while neither it nor the workers start with a runtime environment
+(which would make Ray start each through ``setup_worker.py``, importing Ray twice), and a
+dead controller's placement group is removed by the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+
+class _ControllerProbe:
+    """Runs in the controller's process (a Ray Train controller callback): what it sees."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def after_controller_start(self, train_run_context) -> None:
+        import ray
+
+        with open(self.out, "w") as f:
+            json.dump({"interval": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"),
+                       "runtime_env": dict(ray.get_runtime_context().runtime_env)}, f)
+
+
+def _train_fn(config):
+    import ray
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"worker-{rank}.json"), "w") as f:
+        json.dump({"interval": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"),
+                   "warn": os.environ.get("RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S"),
+                   "runtime_env": dict(ray.get_runtime_context().runtime_env)}, f)
+
+
+def _run(tmp_path, monkeypatch, env: dict) -> tuple[dict, list[dict]]:
+    from ray import cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    from elastic_ddp.ray_backend import ProcessGroupConfig
+    from elastic_ddp.ray_trainer import trainer_class
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # This module is not importable in the controller's process: its classes travel by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    probe = type("Probe", (_ControllerProbe, ControllerCallback), {})(str(tmp_path / "controller.json"))
+    trainer = trainer_class(TorchTrainer)(
+        _train_fn, train_loop_config={"out": str(tmp_path)},
+        torch_config=ProcessGroupConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="probe", storage_path=str(tmp_path / "ray"), callbacks=[probe]))
+    trainer.fit()
+    workers = [json.loads((tmp_path / f"worker-{r}.json").read_text()) for r in range(2)]
+    return json.loads((tmp_path / "controller.json").read_text()), workers
+
+
+def test_the_controller_keeps_its_settings_and_nothing_starts_with_a_runtime_env(ray_cluster, tmp_path, monkeypatch):
+    controller, workers = _run(tmp_path, monkeypatch, {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"})
+    assert controller == {"interval": "0.25", "runtime_env": {}}, controller
+    for w in workers:
+        assert w["interval"] is None and not w["runtime_env"].get("env_vars"), w
+
+
+def test_a_users_own_ray_train_setting_still_reaches_the_workers(ray_cluster, tmp_path, monkeypatch):
+    # Not a controller-only variable: Ray Train's own propagation, runtime env and all.
+    controller, workers = _run(tmp_path, monkeypatch, {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+                                                       "RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S": "30"})
+    assert controller["interval"] == "0.25"
+    for w in workers:
+        assert w["warn"] == "30" and w["interval"] is None, w
+
+
+def test_a_dead_controllers_placement_group_is_removed_by_the_driver(ray_cluster):
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from elastic_ddp.ray_trainer import remove_leftover_placement_groups
+
+    pg = placement_group([{"CPU": 1}])
+    ray.get(pg.ready(), timeout=60)
+    timeline = [{"what": "controller_started"}, {"what": "worker_group_started", "placement_group": pg.id.hex()}]
+    assert remove_leftover_placement_groups(timeline) == [pg.id.hex()]
+    deadline = time.time() + 10
+    while time.time() < deadline and placement_group_table(pg)["state"] != "REMOVED":
+        time.sleep(0.1)
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    assert remove_leftover_placement_groups(timeline) == []  # already gone: nothing to do
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
