@@ -22,7 +22,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
+# torch is imported where a state is written or read, not here: the Ray Train controller
+# imports this module for the storage helpers (events.ElasticEvents, after a failure),
+# and a torch import there would sit between the failure and the restart.
 
 FORMAT = "elastic-ddp/2"
 STATE_FILE = "state.pt"
@@ -46,6 +48,8 @@ def save_state(directory: str | os.PathLike, state: dict[str, Any],
     Costs one full serialisation of model + optimizer (a copy to CPU memory for CUDA
     tensors) and one fsync.
     """
+    import torch
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / (STATE_FILE + ".tmp")
@@ -71,6 +75,8 @@ def load_state(directory: str | os.PathLike) -> dict[str, Any]:
     Raises:
         CheckpointError: file missing, unreadable, or not an elastic-ddp checkpoint.
     """
+    import torch
+
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{path}: no {STATE_FILE}; not an elastic-ddp checkpoint "

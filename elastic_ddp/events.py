@@ -231,6 +231,13 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
         except Exception:  # noqa: BLE001 - bookkeeping only
             self.sink.workers = {}
 
+    def before_worker_group_shutdown(self, worker_group) -> None:
+        # A restart's teardown: from here to worker_group_stopped.
+        self.sink.mark("worker_group_stopping")
+
+    def after_worker_group_shutdown(self, worker_group_context) -> None:
+        self.sink.mark("worker_group_stopped")
+
     def after_controller_finish(self, result) -> None:
         self.sink.flush()
 

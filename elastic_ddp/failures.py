@@ -130,8 +130,9 @@ class Position:
 
     SIZE = 512
 
-    def __init__(self, rank: int, run: str, attempt_t: Optional[float] = None):
-        self.rank, self.run = rank, run
+    def __init__(self, rank: int, run: str, attempt_t: Optional[float] = None,
+                 node: Optional[str] = None):
+        self.rank, self.run, self.node = rank, run, node
         self.t0 = attempt_t or time.time()
         self.record: Dict[str, Any] = {"phase": "set-up", "step": None, "epoch": None}
         self._fd: Optional[int] = None
@@ -154,7 +155,7 @@ class Position:
         if self._fd is None:
             return
         rec = {**self.record, "rank": self.rank, "run": self.run, "pid": os.getpid(),
-               "t0": self.t0, "t": time.time()}
+               "node": self.node, "t0": self.t0, "t": time.time()}
         data = json.dumps(rec).encode()[: self.SIZE].ljust(self.SIZE)
         try:
             os.pwrite(self._fd, data, 0)
@@ -197,8 +198,11 @@ def _read_position_file(pid: int, remove: bool = True) -> Optional[dict]:
 def read_position(node_id: Optional[str], pid: Optional[int], timeout_s: float = 20.0,
                   force_task: bool = False) -> Optional[dict]:
     """The last position record of process ``pid`` on node ``node_id``: read directly
-    when that is this node, else by a zero-CPU Ray task pinned to the node. None when
-    the node or the record is gone."""
+    when that is this node, or when this machine holds a record of that pid written on
+    that node (several Ray nodes on one host, as in a local multi-node cluster), else by
+    a zero-CPU Ray task pinned to the node: a task may first need a new worker process
+    there, which would sit between a failure and its restart. None when the node or the
+    record is gone."""
     if not pid:
         return None
     import ray
@@ -206,6 +210,11 @@ def read_position(node_id: Optional[str], pid: Optional[int], timeout_s: float =
     here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     if not force_task and (node_id is None or node_id == here):
         return _read_position_file(pid)
+    if not force_task and node_id is not None:
+        rec = _read_position_file(pid, remove=False)
+        if rec is not None and rec.get("node") == node_id:
+            _read_position_file(pid)  # read: remove it, as the task would
+            return rec
     if not ray.is_initialized():
         return None
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -72,7 +72,7 @@ class Trainer:
         self.fault = Fault(job.fault, rank)
         # Where this rank is (phase, step), for the controller when the process dies
         # without a Python error (elastic_ddp.failures).
-        self.position = Position(rank, cfg.run.name)
+        self.position = Position(rank, cfg.run.name, node=_ray_node_id())
         self.window = StepWindow()
         self._nonfinite_run = 0
         self._reader = self._order = None
@@ -506,3 +506,11 @@ def _split_loss(out, n: int) -> tuple[torch.Tensor, dict]:
         raise ValueError(f"Task.loss must return the per-sample loss, shape [{n}], got {shape} "
                          "(use reduction='none' and average over tokens within a sample)")
     return loss, extra
+
+
+def _ray_node_id() -> Optional[str]:
+    """This process's Ray node id (None outside Ray): stamped on the position record so
+    that a controller on the same machine can read it without a task on the node."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -123,3 +123,24 @@ def test_a_worker_death_at_group_start_is_retried_not_fatal():
     assert policy.make_decision(died) == FailureDecision.RETRY
     assert policy.make_decision(died) == FailureDecision.RAISE  # the limit still holds
     assert policy.make_decision(ControllerError(ValueError("a bug"))) == FailureDecision.RAISE
+
+
+def test_a_position_written_on_another_ray_node_of_this_machine_is_read_without_a_task():
+    # Several Ray nodes on one host (a local multi-node cluster): the controller reads the
+    # dead rank's record from the file, but only if that node wrote it (a pid of another
+    # machine's node must not match a record here).
+    import os
+
+    import ray
+
+    from elastic_ddp.failures import Position, position_dir, read_position
+
+    assert not ray.is_initialized()
+    pos = Position(rank=1, run="r", node="node-a")
+    pos.at("training step", 7, 0)
+    assert read_position("node-b", os.getpid()) is None  # not that node's: no Ray, no task
+    assert (position_dir() / f"pid{os.getpid()}.json").exists()
+    rec = read_position("node-a", os.getpid())
+    assert rec["node"] == "node-a" and rec["step"] == 7 and rec["rank"] == 1
+    assert not (position_dir() / f"pid{os.getpid()}.json").exists()  # read once, removed
+    pos.close()

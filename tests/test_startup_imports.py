@@ -99,10 +99,16 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
         import json, sys
         from ray import cloudpickle
         ctx, callbacks = cloudpickle.loads(open({str(blob)!r}, "rb").read())
-        print(json.dumps({{"torch": "torch" in sys.modules, "backend": ctx.backend_config.backend,
+        started = "torch" in sys.modules
+        # After a failure the controller's events callback looks up the newest stored
+        # checkpoint: between the failure and the restart, no torch either.
+        sink = next(c.sink for c in callbacks if type(c).__name__ == "ControllerEvents")
+        step = sink._stored_step()
+        print(json.dumps({{"torch": started, "torch_after_failure": "torch" in sys.modules, "step": step,
+                           "backend": ctx.backend_config.backend,
                            "job_bytes": isinstance(ctx.train_loop_config["job"], bytes)}}))
     """, tmp_path)
-    assert out == {"torch": False, "backend": "gloo", "job_bytes": True}
+    assert out == {"torch": False, "torch_after_failure": False, "step": 0, "backend": "gloo", "job_bytes": True}
     # No Ray Train datasets callback (its DatasetManager actor is one more process at
     # every worker-group start), and Ray Train still builds its callbacks where the
     # override applies.
