@@ -18,8 +18,8 @@ it also stops when the driver dies.
 A plain ``python -m elastic_ddp.tracking.opener`` child rather than ``multiprocessing``:
 the ``spawn`` and ``forkserver`` start methods re-run the parent's ``__main__``, and a
 user's script that calls ``elastic_ddp.train`` without a ``__main__`` guard would start
-itself again. What it costs: one more interpreter for about two seconds, and the request
-and the answer are pickled through pipes.
+itself again. What it costs: one more interpreter for the job's length (asleep but for a
+system sample every few seconds), and the request and the answer pickled through pipes.
 """
 
 from __future__ import annotations
