@@ -175,24 +175,25 @@ class Position:
                     pass
 
 
-def _read_position_file(pid: int, remove: bool = True) -> Optional[dict]:
+def _read_position_file(pid: int, remove: bool = True, node: Optional[str] = None) -> Optional[dict]:
+    """The record of ``pid`` in this machine's position directory (removed once read);
+    with ``node``, only one written on that Ray node (else None, and it stays)."""
     d = position_dir()
     if d is None:
         return None
     p = d / f"pid{int(pid)}.json"
     try:
-        raw = p.read_bytes()
-    except OSError:
+        rec = json.loads(p.read_bytes().decode(errors="replace").strip())
+    except (OSError, ValueError):
+        rec = None
+    if node is not None and (rec is None or rec.get("node") != node):
         return None
     if remove:
         try:
             p.unlink()
         except OSError:
             pass
-    try:
-        return json.loads(raw.decode(errors="replace").strip())
-    except ValueError:
-        return None
+    return rec
 
 
 def read_position(node_id: Optional[str], pid: Optional[int], timeout_s: float = 20.0,
@@ -211,9 +212,8 @@ def read_position(node_id: Optional[str], pid: Optional[int], timeout_s: float =
     if not force_task and (node_id is None or node_id == here):
         return _read_position_file(pid)
     if not force_task and node_id is not None:
-        rec = _read_position_file(pid, remove=False)
-        if rec is not None and rec.get("node") == node_id:
-            _read_position_file(pid)  # read: remove it, as the task would
+        rec = _read_position_file(pid, node=node_id)
+        if rec is not None:
             return rec
     if not ray.is_initialized():
         return None

@@ -26,8 +26,8 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
 
     from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
 
-    # close: the system-metrics monitor stops and writes its last samples, then a flush.
-    ray.get(tracker.close.remote(60), timeout=90)
+    # Everything the workers and the controller sent, written before the run is read back.
+    ray.get(tracker.flush.remote(60), timeout=90)
     snap = ray.get(tracker.snapshot.remote())
     run = tracking.run_info(uri, run_id)
     # The job's wall time runs from its MLflow run's first start: a resubmitted job's

@@ -212,16 +212,14 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
         side.result()
         opened = opener.result()
     except BaseException as e:
+        if tracker is not None:
+            ray.kill(tracker)
         # The run may be open by now (opened beside ray.init): close it, then re-raise.
         # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
         try:
             run_id = opener.result()["run_id"]
         except BaseException:  # noqa: BLE001 - the open failed too: no run is left open
-            if tracker is not None:
-                ray.kill(tracker)
             raise e from None
-        if tracker is not None:
-            ray.kill(tracker)
         _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
                       "FAILED" if isinstance(e, Exception) else "KILLED", opener)
         raise
@@ -293,7 +291,7 @@ def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str,
 
     if tracker is not None:
         try:
-            ray.get(tracker.close.remote(30), timeout=40)
+            ray.get(tracker.flush.remote(30), timeout=40)
         except Exception:  # noqa: BLE001 - closing the run matters more than the last metrics
             pass
     try:

@@ -93,6 +93,9 @@ class RunOpener:
         for the helper to exit, at most ``timeout_s`` seconds; then it is killed."""
         if self._p.poll() is None:
             self._p.terminate()
+        self._wait(timeout_s)
+
+    def _wait(self, timeout_s: float) -> None:
         try:
             self._p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -107,11 +110,7 @@ class RunOpener:
             except OSError:
                 pass
             self._sent = True
-        try:
-            self._p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._p.kill()
-            self._p.wait()
+        self._wait(10)
         self._p.stdout.close()
 
 

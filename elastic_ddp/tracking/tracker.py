@@ -163,10 +163,6 @@ class JobTracker:
             self._cv.notify_all()
             return self._cv.wait_for(lambda: self._written >= target, timeout=timeout_s)
 
-    def close(self, timeout_s: float = 30.0) -> bool:
-        """Flush everything; the driver calls it before it closes the run."""
-        return self.flush(timeout_s)
-
     # -- the writer thread ------------------------------------------------------------
     def _loop(self) -> None:
         self._go.wait(STORE_DEFER_S)
