@@ -4,6 +4,7 @@ exit 2): the task and its dry run, both splits' footers, storage, ``RAY_ADDRESS`
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -103,15 +104,20 @@ def check_storage(cfg: Config) -> None:
                           "s3://bucket/runs")
 
 
-def process_start_time() -> Optional[float]:
-    """This process's start (seconds since the epoch) from /proc (Linux), so that the
-    interpreter's start and the imports count in command-to-first-step; None elsewhere."""
+def process_start_time(pid: Optional[int] = None) -> Optional[float]:
+    """When a process (default: this one) started, in seconds since the epoch, from
+    /proc (Linux), so that the interpreter's start and the imports count in
+    command-to-first-step; None elsewhere.
+
+    /proc gives the start in clock ticks since boot; the boot's epoch time is taken as
+    now minus ``CLOCK_BOOTTIME`` (nanoseconds), not from ``btime`` in /proc/stat, which
+    is whole seconds and would put the start up to a second early."""
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                     if ln.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        stat = Path(f"/proc/{pid or 'self'}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
