@@ -91,25 +91,29 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
 
 
 # (phase, from mark, to mark): consecutive, so the phases add up to the total.
+# Each phase ends at its mark and starts at the mark before it in time (the first at
+# process_start): connected to a running cluster the driver reaches Ray before it scans
+# (launcher.train), on a local Ray after.
 STARTUP_PHASES = (
-    ("imports_s", "process_start", "train_called"),      # interpreter + imports
-    ("scan_s", "train_called", "scanned"),               # footers, task dry run
-    ("ray_init_s", "scanned", "ray_ready"),             # Ray up; Ray Train imported beside it
-    ("driver_setup_s", "ray_ready", "fit_called"),      # tracker, MLflow run (helper), trainer
-    ("controller_s", "fit_called", "controller_started"),  # controller actor + imports
-    ("scheduling_s", "controller_started", "worker_group_starting"),
-    ("worker_group_s", "worker_group_starting", "worker_group_started"),  # actors + process group
-    ("train_fn_launch_s", "worker_group_started", "enter"),
-    ("model_data_s", "enter", "ready"),                  # model, checkpoint load
-    ("first_step_s", "ready", "first_step"),             # data pipeline + the first step
+    ("imports_s", "train_called"),               # interpreter + imports
+    ("scan_s", "scanned"),                       # footers, task dry run
+    ("ray_init_s", "ray_ready"),                 # Ray up or connected; controller host, tracker
+    ("driver_setup_s", "fit_called"),            # MLflow run (helper), trainer
+    ("controller_s", "controller_started"),      # controller built (and its process, if late)
+    ("scheduling_s", "worker_group_starting"),
+    ("worker_group_s", "worker_group_started"),  # actors + process group
+    ("train_fn_launch_s", "enter"),
+    ("model_data_s", "ready"),                   # model, checkpoint load
+    ("first_step_s", "first_step"),              # data pipeline + the first step
 )
 
 
 def startup_breakdown(snapshot: dict, marks: dict) -> dict[str, float]:
     """Seconds from the command's start to the end of the first optimizer step of the
     first attempt this process launched, split into :data:`STARTUP_PHASES` (driver
-    marks, the controller's timeline, rank 0's attempt marks). Phases whose marks are
-    missing are left out; ``total_s`` is always the whole span. {} when no step ran."""
+    marks, the controller's timeline, rank 0's attempt marks). A missing mark's phase is
+    left out and its time counts in the next phase; ``total_s`` is always the whole
+    span, the sum of the phases. {} when no step ran."""
     if "fit_called" not in marks:
         return {}
     fit = marks["fit_called"]
@@ -125,7 +129,12 @@ def startup_breakdown(snapshot: dict, marks: dict) -> dict[str, float]:
         if ts:
             t[what] = max(ts) if what != "controller_started" else min(ts)
             until = t[what]
-    out = {name: round(t[b] - t[a], 3) for name, a, b in STARTUP_PHASES if a in t and b in t}
+    ends = sorted((t[mark], name) for name, mark in STARTUP_PHASES if mark in t)
+    prev, seconds = t["process_start"], {}
+    for when, name in ends:
+        seconds[name] = round(when - prev, 3)
+        prev = when
+    out = {name: seconds[name] for name, _ in STARTUP_PHASES if name in seconds}
     out["total_s"] = round(t["first_step"] - t["process_start"], 3)
     return out
 
