@@ -75,6 +75,44 @@ def _init_ray(cfg: Config) -> None:
         routing.attach()
 
 
+def _cluster_running() -> bool:
+    """This driver joins a Ray that is already up: ``RAY_ADDRESS`` names a cluster (as
+    ``ray job submit`` sets it), or this process is connected already."""
+    import ray
+
+    return ray.is_initialized() or os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local")
+
+
+def _answers() -> bool:
+    """``RAY_ADDRESS`` answers (``check_ray_address``); when it does not, that error is
+    raised after the input checks, which print what the scan skipped first."""
+    from elastic_ddp.config import ConfigError
+
+    try:
+        check_ray_address()
+    except ConfigError:
+        return False
+    return True
+
+
+def _connect_and_start(cfg: Config, uri: str) -> tuple:
+    """Connect to Ray, then start the Ray Train controller's process
+    (``ray_trainer.ControllerHost``) and the tracker actor; both boot from now on."""
+    from elastic_ddp.ray_trainer import start_controller_host
+
+    _init_ray(cfg)
+    host = start_controller_host()
+    return host, tracking.start_tracker(uri)
+
+
+def _kill(*actors) -> None:
+    import ray
+
+    for a in actors:
+        if a is not None:
+            ray.kill(a)
+
+
 def _import_ray_train() -> None:
     import ray.train.torch  # noqa: F401 - the import cost, paid while Ray starts
 
@@ -169,11 +207,12 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     MLflow run as a child of this run (``elastic_ddp.sweep``). ``command_start``: when the
     command started (seconds since the epoch), so the command-to-first-step profile
     includes interpreter start and imports. ``on_validated(cfg)``: called once every
-    input check passed, before Ray or MLflow start (the CLI prints the config there).
+    input check passed, before MLflow starts, and before Ray starts unless the job joins
+    a running cluster (the CLI prints the config there).
 
     Raises:
         TaskError: the task cannot run (import path, hooks, kwargs, loss shape).
-        DataError: the Parquet data fails the scan (nothing was started).
+        DataError: the Parquet data fails the scan (nothing is left running, no run).
         TrainingError: training failed beyond its restart budget or deterministically;
             the MLflow run is closed as FAILED.
     """
@@ -181,6 +220,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).
     uri = tracking.default_tracking_uri(cfg)
     opener = RunOpener(uri)
+    host = tracker = None
     try:
         import ray
 
@@ -188,32 +228,39 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
 
         t0 = time.time()
         marks = {"process_start": command_start or t0, "train_called": t0}
+        # On a running cluster, connect before the checks: the Ray Train controller's
+        # process and the tracker's boot while this one scans (ray_trainer.ControllerHost).
+        # A local Ray is still started only for a job whose input passed.
+        early = _cluster_running() and _answers()
+        if early:
+            host, tracker = _connect_and_start(cfg, uri)
+            marks["ray_ready"] = time.time()
         task, train_info, val_info, sample = prepare(cfg, task)
         if on_validated is not None:
             on_validated(cfg)
         skipped = _report_skipped(train_info, val_info)
-        check_ray_address()
+        if not early:
+            check_ray_address()
         params = tracking.task_params(cfg, task)
     except BaseException:
         opener.cancel()  # no run is opened for a job that fails its checks
+        _kill(host, tracker)
         raise
     marks["scanned"] = time.time()
     storage = _storage_path(cfg)
     opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
                 train_info=train_info, val_info=val_info, skipped=skipped)
-    # ray.init mostly waits for its GCS and raylet processes to come up (a local cluster);
-    # Ray Train's import runs beside it.
+    # A local ray.init mostly waits for its GCS and raylet processes to come up; Ray
+    # Train's import runs beside it.
     side = Background(_import_ray_train, name="import-ray-train")
-    tracker = None
     try:
-        _init_ray(cfg)
-        marks["ray_ready"] = time.time()
-        tracker = tracking.start_tracker(uri)
+        if host is None:
+            host, tracker = _connect_and_start(cfg, uri)
+            marks["ray_ready"] = time.time()
         side.result()
         opened = opener.result()
     except BaseException as e:
-        if tracker is not None:
-            ray.kill(tracker)
+        _kill(host, tracker)
         # The run may be open by now (opened beside ray.init): close it, then re-raise.
         # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
         try:
@@ -236,6 +283,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
                       val=val_info, tracker=tracker, t0=t0, sample=sample, storage=storage,
                       ledger_dir=ledger_dir, fault=fault)
         trainer = build_trainer(cfg, job, tracker)
+        trainer._controller_host = host
         marks["fit_called"] = time.time()
         try:
             if progress:
@@ -262,8 +310,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
         raise
     finally:
         opener.finish()
-        if tracker is not None:
-            ray.kill(tracker)
+        _kill(host, tracker)
 
 
 def _after_failed_fit(tracker) -> None:

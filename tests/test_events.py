@@ -144,3 +144,42 @@ def test_a_position_written_on_another_ray_node_of_this_machine_is_read_without_
     assert rec["node"] == "node-a" and rec["step"] == 7 and rec["rank"] == 1
     assert not (position_dir() / f"pid{os.getpid()}.json").exists()  # read once, removed
     pos.close()
+
+
+def test_the_startup_phases_follow_the_marks_in_time_and_sum_to_the_total():
+    from elastic_ddp.report import startup_breakdown
+
+    snap = {"timeline": [{"what": "controller_started", "t": 4.2}, {"what": "worker_group_starting", "t": 4.3},
+                         {"what": "worker_group_started", "t": 6.3}],
+            "attempts": [{"enter": 6.4, "ready": 7.4, "first_step": 7.7}]}
+    # A local Ray: connected after the scan.
+    late = startup_breakdown(snap, {"process_start": 0.0, "train_called": 0.4, "scanned": 2.0,
+                                    "ray_ready": 3.5, "fit_called": 4.0})
+    assert late["scan_s"] == 1.6 and late["ray_init_s"] == 1.5 and late["driver_setup_s"] == 0.5
+    # Joining a running cluster: connected (controller host and tracker started) before it.
+    early = startup_breakdown(snap, {"process_start": 0.0, "train_called": 0.4, "ray_ready": 0.6,
+                                     "scanned": 2.0, "fit_called": 4.0})
+    assert early["ray_init_s"] == 0.2 and early["scan_s"] == 1.4 and early["driver_setup_s"] == 2.0
+    for out in (late, early):
+        assert min(out.values()) >= 0 and list(out)[0] == "imports_s"
+        assert abs(sum(v for k, v in out.items() if k != "total_s") - out["total_s"]) < 1e-6, out
+        assert out["total_s"] == 7.7
+
+
+def test_a_process_start_is_timed_to_the_clock_tick_not_the_boot_seconds():
+    # /proc/stat's btime is whole seconds: a start taken from it was up to 1 s early.
+    import subprocess
+    import sys
+    import time
+
+    from elastic_ddp.preflight import process_start_time
+
+    for _ in range(3):
+        t0 = time.time()
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+        try:
+            start = process_start_time(p.pid)
+        finally:
+            p.kill()
+            p.wait()
+        assert start is not None and -0.05 < start - t0 < 0.5, start - t0

@@ -1,7 +1,10 @@
 """``elastic_ddp.ray_trainer`` on a real local Ray cluster: the controller gets its
 ``RAY_TRAIN_*`` settings while neither it nor the workers start with a runtime environment
-(which would make Ray start each through ``setup_worker.py``, importing Ray twice), and a
-dead controller's placement group is removed by the driver.
+(which would make Ray start each through ``setup_worker.py``, importing Ray twice); the
+controller's process (``ControllerHost``) serves every worker group's barrier, across a
+restart, with no ``SynchronizationActor`` process; a job joining a running cluster starts
+that process before its input checks and leaves nothing behind when they fail; and a dead
+controller's placement group is removed by the driver.
 """
 
 from __future__ import annotations
@@ -37,6 +40,95 @@ def _train_fn(config):
         json.dump({"interval": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"),
                    "warn": os.environ.get("RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S"),
                    "runtime_env": dict(ray.get_runtime_context().runtime_env)}, f)
+
+
+def _barrier_fn(config):
+    """Attempt 1: a barrier, then rank 1 fails. Attempt 2 (a new worker group): a
+    broadcast from rank 0 and a barrier, each rank writes what it got."""
+    import ray.train
+    import ray.train.collective
+
+    rank = ray.train.get_context().get_world_rank()
+    first = not os.path.exists(os.path.join(config["out"], "failed"))
+    ray.train.collective.barrier()
+    if first:
+        if rank == 1:
+            open(os.path.join(config["out"], "failed"), "w").close()
+            raise RuntimeError("injected: rank 1 fails after the first barrier")
+        time.sleep(60)  # torn down with the group
+    got = ray.train.collective.broadcast_from_rank_zero({"from": rank, "pid": os.getpid()})
+    ray.train.collective.barrier()
+    with open(os.path.join(config["out"], f"worker-{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def _actor_classes() -> dict[str, list[str]]:
+    """Every actor this cluster has had (alive or dead): class name -> states."""
+    import ray._private.state as state
+
+    out: dict[str, list[str]] = {}
+    for a in state.actors().values():
+        out.setdefault(a["ActorClassName"], []).append(a["State"])
+    return out
+
+
+def _until_alive(expected: tuple[str, int], timeout_s: float = 10) -> None:
+    """Wait until as many actors of a class as expected are alive (a kill is async)."""
+    cls, n = expected
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and _actor_classes().get(cls, []).count("ALIVE") > n:
+        time.sleep(0.2)
+    assert _actor_classes().get(cls, []).count("ALIVE") == n, (cls, _actor_classes())
+
+
+def test_each_worker_groups_barrier_is_served_by_the_controller_across_a_restart(ray_cluster, tmp_path):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from elastic_ddp.ray_backend import ProcessGroupConfig
+    from elastic_ddp.ray_trainer import trainer_class
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = trainer_class(TorchTrainer)(
+        _barrier_fn, train_loop_config={"out": str(tmp_path)},
+        torch_config=ProcessGroupConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="barrier", storage_path=str(tmp_path / "ray"),
+                             failure_config=FailureConfig(max_failures=1)))
+    trainer.fit()
+    assert (tmp_path / "failed").exists()  # the first group did fail: this is the second
+    got = [json.loads((tmp_path / f"worker-{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1] and got[0]["from"] == 0, got
+    classes = _actor_classes()
+    assert "SynchronizationActor" not in classes, classes
+    assert "ControllerHost" in classes and classes["RayTrainWorker"].count("DEAD") >= 2, classes
+    _until_alive(("ControllerHost", 0))  # fit's own controller host ends with it
+
+
+def test_a_job_joining_a_running_cluster_starts_its_controller_early_and_kills_it_on_bad_input(
+        ray_cluster, digits_data, tmp_path):
+    import ray
+
+    from conftest import digits_config
+
+    from elastic_ddp.config import Config
+    from elastic_ddp.data.scan import DataError
+    from elastic_ddp.launcher import train
+
+    before = _actor_classes()
+    raw = digits_config(digits_data, tmp_path)
+    raw["data"]["id_column"] = "no_such_column"
+    with pytest.raises(DataError, match="no_such_column"):
+        train(Config.from_dict(raw), progress=False)
+    after = _actor_classes()
+    for cls in ("ControllerHost", "JobTracker"):
+        started = len(after.get(cls, [])) - len(before.get(cls, []))
+        assert started == 1, (cls, before, after)  # started before the scan failed ...
+        _until_alive((cls, before.get(cls, []).count("ALIVE")))  # ... and killed
+    assert ray.is_initialized()
+    assert not (tmp_path / "mlflow.db").exists()  # and no MLflow run: none was opened
 
 
 def _run(tmp_path, monkeypatch, env: dict) -> tuple[dict, list[dict]]:

@@ -157,3 +157,27 @@ def test_the_process_group_backend_calls_functions_ray_still_has():
     with pytest.raises(ValueError, match="backend='hccl'"):
         ProcessGroupConfig(backend="hccl")
     assert ProcessGroupConfig(backend="nccl").to_dict()["backend"] == "nccl"
+
+
+def test_the_controller_host_serves_every_method_ray_calls_on_its_controller_and_barrier():
+    # elastic_ddp.ray_trainer.ControllerHost stands for Ray Train's TrainController and
+    # SynchronizationActor actors; a Ray upgrade that adds a public method to either must
+    # fail here (then: forward it, or list it as in-process only).
+    import inspect
+
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationActor
+    from ray.train.v2._internal.execution.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group import state, worker_group
+
+    from elastic_ddp.ray_trainer import FORWARDED, SYNC_METHODS, ControllerHost
+
+    def public(cls) -> set[str]:
+        return {n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}
+
+    in_process_only = {"get_state", "get_worker_group"}  # the controller's own callbacks
+    assert public(TrainController) == set(FORWARDED) | in_process_only
+    assert public(SynchronizationActor.__ray_actor_class__) == set(SYNC_METHODS)
+    assert set(FORWARDED) | set(SYNC_METHODS) <= set(dir(ControllerHost))
+    # The two names the host replaces inside Ray Train's worker group modules.
+    assert "SynchronizationActor.options(" in inspect.getsource(worker_group.WorkerGroup._start_impl)
+    assert "_shutdown_sync_actor(self.sync_actor)" in inspect.getsource(state)
