@@ -4,10 +4,13 @@
     summary = train(Config.load("experiments/configs/digits_cnn.yaml"))
 
 Steps: load the task -> scan the Parquet footers and dry-run the task on two rows (every
-input error surfaces here, before anything starts) -> connect to Ray while the job's
-MLflow run is opened -> the tracker actor -> ``TorchTrainer(ScalingConfig((min, max)),
-FailureConfig, CheckpointConfig, callbacks)`` -> fit with a progress display -> final
-model, restart events and goodput into the run -> summary.
+input error surfaces here, before a run is opened or a local Ray started) -> connect to
+Ray while the job's MLflow run is opened -> the tracker actor and the Ray Train
+controller's process (``ray_trainer.ControllerHost``) -> ``TorchTrainer(ScalingConfig((min,
+max)), FailureConfig, CheckpointConfig, callbacks)`` -> fit with a progress display ->
+final model, restart events and goodput into the run -> summary. A job that joins a
+running cluster (``RAY_ADDRESS``, ``ray job submit``) connects and starts those two
+actors first, so that they boot while the driver scans; bad input then kills them.
 """
 
 from __future__ import annotations
