@@ -20,8 +20,8 @@ exit codes:
   0    ok
   1    training failed (its MLflow run is marked FAILED; checkpoints are kept), or
        submit could not reach the cluster
-  2    bad config, data or arguments, or a missing optional dependency: nothing was
-       started (no Ray, no MLflow run)
+  2    bad config, data or arguments, or a missing optional dependency: no MLflow
+       run, no local Ray (on a running cluster the job's two actors are stopped)
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
 """
 
@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                         epilog=_CONFIG_EPILOG, formatter_class=fmt)
     _add_config_args(tr, "scaling.max_workers=4")
     tr.add_argument("--no-progress", action="store_true",
-                    help="plain log lines instead of a live progress bar")
+                    help="no progress display (off a terminal it is already plain lines, "
+                         "one every few seconds, instead of a live bar)")
     tr.add_argument("--json", action="store_true", help="print the summary as JSON")
     tr.add_argument("--verbose", action="store_true",
                     help="print every config field (default: only those that differ from "

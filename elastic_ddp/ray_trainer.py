@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 
 # Read only by the Ray Train controller (its health checks and worker-group starts, in its
 # own process), never by a worker; set by launcher.build_trainer or by the user.
@@ -229,8 +228,8 @@ def run_controller(trainer, controller_init_kwargs: dict, host=None):
     """Ray Train 2.60's ``DataParallelTrainer._initialize_and_run_controller`` with
     :class:`EnvController` in a :class:`ControllerHost` (``host``, started earlier by
     :func:`start_controller_host`, or started here): the controller on the driver's
-    node, Ctrl-C aborting it, the result returned (or the run's error raised) as Ray
-    Train does."""
+    node, the result returned (or the run's error raised) as Ray Train does; Ctrl-C
+    aborts it (:func:`_abort`) and is raised as ``KeyboardInterrupt``."""
     import ray
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
@@ -245,14 +244,31 @@ def run_controller(trainer, controller_init_kwargs: dict, host=None):
         # some after the host started): the controller-only ones for the controller, the
         # rest for it to propagate to its workers as Ray Train does.
         ray.get(controller.start.remote(env_vars, controller_init_kwargs))
-        # Not in the main thread (Ray Tune), registering a SIGINT handler raises.
-        if threading.current_thread() is threading.main_thread():
-            trainer._register_sigint_handler(controller)
-        ray.get(controller.run.remote())
+        try:
+            ray.get(controller.run.remote())
+        except KeyboardInterrupt:
+            _abort(controller)
+            raise
         return ray.get(controller.get_result.remote())
     finally:
-        if host is None:  # the SIGINT handler keeps a handle: the actor would live on
+        if host is None:
             ray.kill(controller)
+
+
+def _abort(controller, timeout_s: float = 30.0) -> None:
+    """Ctrl-C: Ray Train's graceful abort (its callbacks' abort hooks, the worker group
+    aborted, the run's state ABORTED; the controller then exits), as Ray's own SIGINT
+    handler does. That handler is not installed: it turns the first Ctrl-C into
+    ``sys.exit(0)`` inside ``fit``, which the process ended with status 1 and no word,
+    where the CLI's ``KeyboardInterrupt`` path closes the MLflow run as KILLED, says so
+    and exits 130. A second Ctrl-C during the abort interrupts the wait."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        ray.get(controller.abort.remote(), timeout=timeout_s)
+    except (RayActorError, GetTimeoutError):
+        pass  # abort ends with the controller's exit_actor()
 
 
 def trainer_class(torch_trainer):

@@ -342,6 +342,34 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
     assert run.info.status == "KILLED", run.info.status
 
 
+@pytest.mark.ray  # starts its own local Ray in the subprocess
+def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
+    """Ray Train's own SIGINT handler turned a Ctrl-C in fit() into sys.exit(0), and the
+    command ended with status 1 and no word. Now the controller is aborted, the run is
+    closed KILLED, and the CLI says "interrupted" and exits 130."""
+    data = tmp_path / "data"
+    write_rows(data / "train" / "part-0.parquet", range(32))
+    write_rows(data / "val" / "part-0.parquet", range(100, 104))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(small_config(data, tmp_path, {
+        "train": {"epochs": 100000, "checkpoint_every_steps": 1000000, "log_every_steps": 1}})))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = subprocess.Popen([sys.executable, "-m", "elastic_ddp.cli", "train", str(cfg)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # progress lines, off a terminal: one every few seconds
+        lines.append(line)
+        if "step" in line and "/" in line and "epoch" in line:
+            break
+    assert p.poll() is None, "".join(lines)[-3000:]
+    p.send_signal(signal.SIGINT)
+    out = "".join(lines) + p.communicate(timeout=120)[0]
+    print(out[-3000:])
+    assert p.returncode == 130 and "interrupted" in out, out[-3000:]
+    (run,) = mlflow_runs(tmp_path)
+    assert run.info.status == "KILLED", run.info.status
+
+
 # ------------------------------------------------------------------- slow: item 4, 7
 EVAL_TASK = """
 from elastic_ddp.tasks.vision import CNNClassifier
