@@ -379,3 +379,21 @@ def test_cli_subprocess_exit_code(tmp_path):
     p = subprocess.run(cmd + ["plan", str(path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "scaling.min_workers" in p.stderr and "scaling.max_workers" in p.stderr
+
+
+def test_a_missing_column_is_not_told_the_hint_about_its_values(tmp_path):
+    # The digits task's label hint ("labels must be 0..9; raise num_classes") answered a
+    # missing label column, which has no values to remap.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elastic_ddp.data.scan import DataError, scan_parquet
+    from elastic_ddp.tasks.vision import CNNClassifier
+
+    (tmp_path / "train").mkdir()
+    pq.write_table(pa.table({"sample_id": [0, 1], "x": [[0.0] * 64] * 2, "y": [0, 1]}),
+                   tmp_path / "train" / "part-0.parquet")
+    task = CNNClassifier(feature_column="x", label_column="nolabel")
+    with pytest.raises(DataError, match="missing column 'nolabel'") as e:
+        scan_parquet(tmp_path / "train", task.input_columns(), "sample_id")
+    assert "labels must be" not in str(e.value) and "'y'" in str(e.value), str(e.value)

@@ -106,9 +106,10 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
             idx = schema.get_field_index(name)
             if idx < 0:
                 have = ", ".join(repr(n) for n in schema.names) or "none"
+                # Not the column's hint: that is about its values (a label range, a
+                # list length), which a missing column has none of.
                 raise DataError(f"{f}: missing column {name!r}; the file has columns: {have}. "
-                                f"Point the task at existing columns or rewrite the file"
-                                + (f" ({spec.hint})" if spec.hint else ""))
+                                f"Point the task at existing columns or rewrite the file")
             fld = schema.field(idx)
             if name in fields:
                 try:
