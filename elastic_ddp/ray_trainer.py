@@ -9,6 +9,8 @@ group, model). Ray Train 2.60 starts, per job, a controller, a placement-group c
 a preemption watcher, and per worker group, the workers, a synchronization actor and a
 dataset manager. Here:
 
+- no synchronization actor: the controller's process (:class:`ControllerHost`) serves
+  each worker group's barrier, and on a running cluster it boots before ``fit``;
 - no dataset manager when no dataset is passed, and no placement-group cleaner
   (:func:`trainer_class`); the preemption watcher is off (``launcher.build_trainer``);
 - no runtime environment for the controller and the workers when the user sets none
@@ -66,8 +68,8 @@ def _controller_class():
     return EnvController
 
 
-# Called through the controller's actor handle: by the driver (Ray Train's fit and its
-# Ctrl-C handler) and by the workers (ray.train's checkpoint listing). Any other public
+# Called through the controller's actor handle: by the driver (fit, and the abort on
+# Ctrl-C) and by the workers (ray.train's checkpoint listing). Any other public
 # method of Ray's TrainController runs only inside its own process.
 FORWARDED = ("run", "abort", "get_result", "get_training_failed_error", "get_all_reported_checkpoints")
 # Ray Train 2.60's SynchronizationActor (the workers' barrier in ray.train.report and
@@ -136,9 +138,6 @@ class ControllerHost:
     async def get_all_reported_checkpoints(self, *args, **kwargs):
         return await self._controller.get_all_reported_checkpoints(*args, **kwargs)
 
-    def _new_sync(self, sync) -> None:
-        self._sync = sync
-
     def _drop_sync(self) -> None:
         """The worker group is gone: wake whatever waits at its barrier (dead ranks'
         calls), as killing its actor would have ended them."""
@@ -186,7 +185,7 @@ class _HostedSyncActor:
     def remote(self, **kwargs):
         import ray
 
-        self._host._new_sync(self._cls(**kwargs))
+        self._host._sync = self._cls(**kwargs)
         return ray.get_runtime_context().current_actor
 
 
@@ -224,7 +223,7 @@ def start_controller_host():
     ).remote(env)
 
 
-def run_controller(trainer, controller_init_kwargs: dict, host=None):
+def run_controller(controller_init_kwargs: dict, host=None):
     """Ray Train 2.60's ``DataParallelTrainer._initialize_and_run_controller`` with
     :class:`EnvController` in a :class:`ControllerHost` (``host``, started earlier by
     :func:`start_controller_host`, or started here): the controller on the driver's
@@ -296,7 +295,7 @@ def trainer_class(torch_trainer):
         _controller_host = None  # a ControllerHost started ahead of fit (launcher.train)
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
-            return run_controller(self, controller_init_kwargs, self._controller_host)
+            return run_controller(controller_init_kwargs, self._controller_host)
 
     return Trainer
 
