@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from elastic_ddp.local_ray import (PrivateDirError, check_private_dir, free_port,  # noqa: E402
+from elastic_ddp.driver.local_ray import (PrivateDirError, check_private_dir, free_port,  # noqa: E402
                                    listeners_outside_loopback, process_tree,
                                    ray_start_on_loopback, write_token)
 

@@ -18,7 +18,7 @@ __all__ = ["Column", "Config", "ConfigError", "Task", "TransformContext", "pad_s
 
 
 def train(cfg, task=None, **kwargs):
-    """Run a training job; see :func:`elastic_ddp.launcher.train`."""
-    from elastic_ddp.launcher import train as _train
+    """Run a training job; see :func:`elastic_ddp.driver.launcher.train`."""
+    from elastic_ddp.driver.launcher import train as _train
 
     return _train(cfg, task=task, **kwargs)

@@ -6,7 +6,7 @@ Layout of a checkpoint directory (what ``ray.train.report`` persists and
 
     state.pt      {"format", "model" (no DDP "module." prefix), "optimizer", "progress",
                    "counters", "data", ...}: the schema is ``Trainer.state_dict()``'s
-                   (``elastic_ddp.trainer``), its only writer and reader
+                   (``elastic_ddp.worker.trainer``), its only writer and reader
     config.json   the job's config, so the checkpoint is self-describing
 
 Load the model in plain PyTorch::

@@ -92,7 +92,7 @@ def _config(data: Path, tmp: Path, name: str, steps: int):
 
 def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     from elastic_ddp.data.ingest import epoch_order
-    from elastic_ddp.launcher import prepare, train
+    from elastic_ddp.driver.launcher import prepare, train
     from elastic_ddp.ledger import audit
     from elastic_ddp.tracking import metric_history, metric_key
 
@@ -253,7 +253,7 @@ def resume_open_times(data: Path, tmp: Path) -> dict:
     """Seconds from opening rank 0's reader (Ray Data pipeline) at a cursor to holding the
     first step's rows, at cursor 0, mid-epoch and 90% into the epoch."""
     from elastic_ddp.data.ingest import open_train_reader
-    from elastic_ddp.launcher import prepare
+    from elastic_ddp.driver.launcher import prepare
 
     cfg = _config(data, tmp, "open", 10)
     task, info, _, sample = prepare(cfg)
@@ -279,7 +279,7 @@ def main() -> None:
                          "samples/s ratio is then the median over the pairs)")
     args = ap.parse_args()
 
-    from elastic_ddp.local_ray import init_local_ray
+    from elastic_ddp.driver.local_ray import init_local_ray
 
     sizes = [float(s) for s in args.sizes.split(",")]
     dirs = {gb: generate(Path(args.out), gb) for gb in sizes}

@@ -136,7 +136,7 @@ def _longest_gap(ts: list[float]) -> float:
 def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: float) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.launcher import train
+    from elastic_ddp.driver.launcher import train
     from elastic_ddp.ledger import audit
 
     cfg = Config.load(ROOT / CONFIG, [

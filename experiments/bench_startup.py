@@ -10,7 +10,7 @@ same Ray cluster shape as ``bench_recovery.py``), 3 steps. Each round runs torch
 (``experiments/torchrun_baseline.py``) and then ``elastic-ddp train --json`` with
 ``RAY_ADDRESS`` set; the elastic job's phases are its own ``startup.json`` (imports, scan,
 driver set-up, Ray Train controller, worker group, model, first step; see
-``elastic_ddp.report.STARTUP_PHASES``; its ``total_s`` here also counts the few
+``elastic_ddp.driver.report.STARTUP_PHASES``; its ``total_s`` here also counts the few
 milliseconds from the launch to its process's start, as torchrun's does). All rounds share one MLflow store, so the first
 round also creates it. Printed: per round, both commands' seconds to the end of the
 first step and their ratio; the elastic job's phases, median over the rounds.
@@ -56,14 +56,16 @@ def elastic_startup(tmp: Path, address: str, name: str, checkout: Path) -> dict:
     """``elastic-ddp train --json`` on the cluster at ``address``; its ``startup`` dict
     (seconds per phase, ``total_s`` from the process's start to the end of step 1)."""
     env = dict(os.environ, RAY_ADDRESS=address, PYTHONPATH=str(checkout))
-    cmd = [sys.executable, "-m", "elastic_ddp.cli", "train", str(checkout / CONFIG), "--json", "--no-progress",
+    # An older checkout has the CLI at elastic_ddp/cli.py (no ``python -m elastic_ddp``).
+    module = "elastic_ddp.cli" if (checkout / "elastic_ddp" / "cli.py").exists() else "elastic_ddp"
+    cmd = [sys.executable, "-m", module, "train", str(checkout / CONFIG), "--json", "--no-progress",
            "--set", f"train.max_steps={STEPS}", "--set", "scaling.min_workers=1",
            "--set", "scaling.max_workers=2", "--set", "scaling.cpus_per_worker=2",
            "--set", "scaling.torch_threads=1", "--set", f"run.name={name}",
            "--set", f"run.storage_path={tmp / 'ray'}", "--set", f"run.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
            "--set", f"data.train_path={ROOT / 'data/pycode_bench/train'}",
            "--set", f"data.val_path={ROOT / 'data/pycode_bench/val'}"]
-    from elastic_ddp.preflight import process_start_time
+    from elastic_ddp.driver.preflight import process_start_time
 
     t0 = time.time()
     p = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -76,7 +78,7 @@ def elastic_startup(tmp: Path, address: str, name: str, checkout: Path) -> dict:
     out = "\n" + stdout
     startup = json.loads(out[out.rindex("\n{"):])["startup"]  # the summary is printed last
     startup["total_s"] = round(startup["total_s"] + max(0.0, spawn_s), 3)
-    if "CLOCK_BOOTTIME" not in (checkout / "elastic_ddp/preflight.py").read_text():
+    if "CLOCK_BOOTTIME" not in (checkout / "elastic_ddp/driver/preflight.py").read_text():
         # A checkout from before c62cc38 took its start from /proc/stat's whole-second
         # btime: it started the clock early by the boot time's fraction of a second.
         for k in ("imports_s", "total_s"):

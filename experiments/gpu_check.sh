@@ -59,7 +59,7 @@ print(f"torch {torch.__version__} cuda {torch.version.cuda} nccl {torch.cuda.ncc
       f"bf16 {torch.cuda.is_bf16_supported()}")
 EOF
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-CLI=("$PY" -m elastic_ddp.cli)
+CLI=("$PY" -m elastic_ddp)
 
 step prepare 120 1 bash -c "${CLI[*]} prepare digits $OUT/digits >/dev/null && \
     ${CLI[*]} prepare pycode $OUT/pycode --num-files 2 --max-bytes 2000000 >/dev/null"

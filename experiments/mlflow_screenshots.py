@@ -7,7 +7,7 @@ Starts ``mlflow ui`` on 127.0.0.1 (a free port) against the sqlite store, opens 
 run's pages in a headless Chromium and writes one PNG per page into ``--out``:
 ``overview.png``, ``model-metrics.png`` (and ``model-metrics-sections.json``: its chart
 sections top to bottom), ``system-metrics.png``, ``artifacts.png``, and
-for a sweep parent run (tag ``elastic_ddp.sweep``) also ``sweep-parent.png`` and
+for a sweep parent run (tag ``elastic_ddp.driver.sweep``) also ``sweep-parent.png`` and
 ``sweep-children.png`` (the experiment's runs table, children nested).
 
 Needs the ``ui`` extra (``pip install -e '.[ui]'``: playwright, the Python driver

@@ -44,7 +44,7 @@ def replay(cfg, task, train, val) -> float:
     """Final val loss of ``cfg`` trained in one process on the library's order."""
     from elastic_ddp.batching import lr_at, run_length, step_rows
     from elastic_ddp.data.ingest import epoch_order
-    from elastic_ddp.parallel import build_optimizer
+    from elastic_ddp.parallel.strategies import build_optimizer
     from elastic_ddp.tasks.loading import build_model
     from elastic_ddp.tasks.protocol import TransformContext
 

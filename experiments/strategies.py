@@ -42,9 +42,9 @@ def main() -> None:
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.config import Config
-    from elastic_ddp.launcher import train
+    from elastic_ddp.driver.launcher import train
     from elastic_ddp.models import build_model
-    from elastic_ddp.parallel import zero_memory_bytes
+    from elastic_ddp.parallel.strategies import zero_memory_bytes
 
     ray.init(address="local", num_cpus=args.world_size + 2, include_dashboard=False,
              logging_level="WARNING")

@@ -39,7 +39,7 @@ from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_leng
 from elastic_ddp.config import Config  # noqa: E402
 from elastic_ddp.data.order import EpochOrder  # noqa: E402
 from elastic_ddp.data.scan import scan_parquet  # noqa: E402
-from elastic_ddp.parallel import build_optimizer  # noqa: E402
+from elastic_ddp.parallel.strategies import build_optimizer  # noqa: E402
 from elastic_ddp.tasks.loading import build_model, load_task  # noqa: E402
 from elastic_ddp.tasks.protocol import TransformContext  # noqa: E402
 

@@ -54,7 +54,7 @@ def ray_cluster():
 
     if ray.is_initialized():  # a previous module leaked one; start clean
         ray.shutdown()
-    from elastic_ddp.local_ray import init_local_ray
+    from elastic_ddp.driver.local_ray import init_local_ray
 
     # A fresh cluster of our own (address="local"), every listener on 127.0.0.1.
     init_local_ray(num_cpus=4, configure_logging=True, logging_level="WARNING")

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
-from elastic_ddp.cli import _parser, main
+from elastic_ddp.driver.cli import _parser, main
 from elastic_ddp.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ PRESET = REPO / "experiments/configs/digits_cnn.yaml"
 
 def _cli_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("elastic-ddp")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "elastic_ddp.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "elastic_ddp"]
 
 
 def _config_file(tmp_path: Path, extra=None) -> Path:
@@ -117,7 +117,7 @@ def test_train_config_error_exits_2_without_config_print(tmp_path, capsys):
 
 
 def test_train_prints_only_the_changed_fields_unless_verbose(tmp_path, capsys):
-    from elastic_ddp.cli import config_lines
+    from elastic_ddp.driver.cli import config_lines
 
     path = _config_file(tmp_path)
     rc = main(["train", str(path), "--no-progress", "--set", "optim.lr=0.02"])
@@ -159,7 +159,7 @@ def test_changed_fields_of_the_digits_preset():
 def test_short_config_lines_are_set_arguments_that_rebuild_the_config(tmp_path):
     """Each printed line is a valid --set: applied to nothing but the defaults they
     rebuild the same config (so the short print leaves out nothing that matters)."""
-    from elastic_ddp.cli import config_lines
+    from elastic_ddp.driver.cli import config_lines
 
     cfg = Config.load(PRESET, ["run.name=sweep #2", "data.val_path=null", "scaling.use_gpu=false",
                                "model.kwargs.hidden=8", "optim.betas=[0.8,0.95]"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_ddp.cli import _parser
+from elastic_ddp.driver.cli import _parser
 from elastic_ddp.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_yaml_parses_to_mappings(path):
 
 # --------------------------------------------------------------------------- commands
 def _commands(text: str) -> list[list[str]]:
-    """Every ``elastic-ddp ...`` / ``python -m elastic_ddp.cli ...`` command in a text,
+    """Every ``elastic-ddp ...`` / ``python -m elastic_ddp ...`` command in a text,
     as argv after the program name (line continuations joined, shell operators cut)."""
     text = text.replace("\\\n", " ")
     out = []
@@ -135,7 +135,7 @@ def test_commands_finder_rejects_unknown_keys():
 def test_runtime_env_is_valid_for_ray_and_carries_no_literal_uri():
     from ray.runtime_env import RuntimeEnv
 
-    from elastic_ddp.submit import load_runtime_env
+    from elastic_ddp.driver.submit import load_runtime_env
 
     raw = yaml.safe_load((CLUSTER / "runtime_env.yaml").read_text())
     assert raw["working_dir"] == "."
@@ -162,7 +162,7 @@ def test_rayignore_keeps_data_and_stores_out_but_keeps_the_package(tmp_path):
         "data/digits/train/part-0.parquet": False, "ray_results/run/checkpoint_1/state.pt": False,
         "checkpoints/a/state.pt": False, "mlruns/0/meta.yaml": False, "mlflow.db": False,
         ".venv/bin/python": False, "outputs/x.txt": False,
-        "elastic_ddp/data/scan.py": True, "elastic_ddp/cli.py": True,
+        "elastic_ddp/data/scan.py": True, "elastic_ddp/driver/cli.py": True,
         "experiments/configs/digits_cnn.yaml": True,
     }
     for rel in files:
@@ -188,7 +188,7 @@ def test_repo_upload_is_small_and_complete():
         size = out.stat().st_size
     finally:
         out.unlink(missing_ok=True)
-    assert "elastic_ddp/cli.py" in names and "elastic_ddp/data/scan.py" in names
+    assert "elastic_ddp/driver/cli.py" in names and "elastic_ddp/data/scan.py" in names
     assert "experiments/configs/digits_cnn.yaml" in names and "cluster/runtime_env.yaml" in names
     assert not [n for n in names if n.split("/")[0] in ("data", ".venv", "mlruns", "ray_results", ".git")]
     assert "mlflow.db" not in names
@@ -312,7 +312,7 @@ def _other_users_dir(tmp_path: Path) -> Path:
 
 
 def test_cluster_dir_is_private_and_refused_when_foreign_or_a_symlink(tmp_path):
-    from elastic_ddp.local_ray import PrivateDirError, check_private_dir
+    from elastic_ddp.driver.local_ray import PrivateDirError, check_private_dir
 
     mine = tmp_path / "mine"
     check_private_dir(mine, create=True)
@@ -346,7 +346,7 @@ def test_local_cluster_cli_refuses_a_foreign_cluster_dir_with_exit_2():
 
 
 def test_token_file_is_created_exclusively_and_never_through_a_symlink(tmp_path):
-    from elastic_ddp.local_ray import write_token
+    from elastic_ddp.driver.local_ray import write_token
 
     victim = tmp_path / "victim"
     victim.write_text("keep")
@@ -356,12 +356,15 @@ def test_token_file_is_created_exclusively_and_never_through_a_symlink(tmp_path)
     assert victim.read_text() == "keep"
     assert not token.is_symlink() and oct(token.stat().st_mode & 0o777) == "0o600"
     assert len(token.read_text()) == 64
-    # The flags themselves: an existing name (file or symlink) is never opened.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    with pytest.raises(FileExistsError):
-        os.open(token, flags, 0o600)
-    src = (ROOT / "elastic_ddp" / "local_ray.py").read_text()
-    assert "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600" in src
+    # An earlier cluster's token, readable by others: replaced by a new file (a new inode,
+    # 0600 from its creation), never rewritten in place with its old mode.
+    token.unlink()
+    token.write_text("old")
+    token.chmod(0o644)
+    old_inode = token.stat().st_ino
+    write_token(token)
+    assert token.read_text() != "old" and oct(token.stat().st_mode & 0o777) == "0o600"
+    assert token.stat().st_ino != old_inode or token.stat().st_mode & 0o077 == 0
 
 
 def test_mlflow_server_script_binds_to_loopback_by_default(tmp_path):

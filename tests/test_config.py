@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
-from elastic_ddp.cli import main
+from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_set_override_errors(tmp_path):
 
 
 # ------------------------------------------------------------------ --set typed by the field
-# What a --set value means depends on the field it sets (elastic_ddp/overrides.py), not on
+# What a --set value means depends on the field it sets (elastic_ddp/config/overrides.py), not on
 # how YAML would read the text.
 @pytest.mark.parametrize("item,field,expected", [
     ("run.name=2024", ("run", "name"), "2024"),              # YAML: int -> was refused
@@ -251,7 +251,7 @@ def test_set_free_form_fields_are_yaml_typed():
 
     from pydantic import BaseModel, Field
 
-    from elastic_ddp.overrides import parse_override
+    from elastic_ddp.config.overrides import parse_override
 
     class Model(BaseModel):
         factory: str = "pkg.mod:build"
@@ -375,7 +375,7 @@ def test_cli_subprocess_exit_code(tmp_path):
     """The installed console script, as a user runs it: exit 2 and the field on stderr."""
     exe = Path(sys.executable).with_name("elastic-ddp")
     path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path, {"scaling": {"min_workers": 3}}))
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "elastic_ddp.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "elastic_ddp"]
     p = subprocess.run(cmd + ["plan", str(path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "scaling.min_workers" in p.stderr and "scaling.max_workers" in p.stderr

@@ -17,8 +17,8 @@ import pytest
 DRIVER = textwrap.dedent("""
     import time, ray
     from elastic_ddp.config import Config
-    from elastic_ddp.launcher import _init_ray
-    from elastic_ddp.report import ProgressDisplay
+    from elastic_ddp.driver.launcher import _init_ray
+    from elastic_ddp.driver.report import ProgressDisplay
     cfg = Config.from_dict({"data": {"train_path": "x"}, "model": {"name": "cnn"},
                             "scaling": {"min_workers": 1, "max_workers": 1}})
     _init_ray(cfg)
@@ -36,7 +36,7 @@ DRIVER = textwrap.dedent("""
     ray.get(tracker.progress.remote())
     with ProgressDisplay(tracker, total_steps=40, period=0.1):
         time.sleep(3.5)
-    from elastic_ddp.local_ray import DRIVER_LOG
+    from elastic_ddp.driver.local_ray import DRIVER_LOG
     logs = ray._private.worker._global_node.get_logs_dir_path()
     print("DRIVER_LOG=" + logs + "/" + DRIVER_LOG)
     ray.shutdown()

@@ -161,7 +161,7 @@ def test_build_context_of_this_checkout_is_small():
     here) makes a context of a few hundred kB."""
     files = context_files(ROOT, RULES)
     size = sum((ROOT / f).stat().st_size for f in files)
-    assert "elastic_ddp/cli.py" in files and "cluster/Dockerfile" in files
+    assert "elastic_ddp/driver/cli.py" in files and "cluster/Dockerfile" in files
     assert not [f for f in files if f.split("/")[0] in (".venv", "data", "mlruns", "ray_results", ".git")]
     assert size < 5 * 2**20, f"build context is {size} bytes"
 

@@ -33,7 +33,7 @@ import pytest
 
 from conftest import _deep_update, digits_config, mlflow_runs
 from elastic_ddp.checkpoint import CheckpointError, load_state
-from elastic_ddp.launcher import TrainingError, train
+from elastic_ddp.driver.launcher import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit, read_attempts
 
 EPOCHS = 3

@@ -12,7 +12,7 @@ import pytest
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 
-from elastic_ddp.events import (EVENTS_ARTIFACT, ControllerEvents, DeterministicTrainingError,
+from elastic_ddp.controller.events import (EVENTS_ARTIFACT, ControllerEvents, DeterministicTrainingError,
                                 ElasticEvents)
 
 
@@ -113,7 +113,7 @@ def test_a_worker_death_at_group_start_is_retried_not_fatal():
     from ray.train.v2.api.config import FailureConfig
     from ray.train.v2.api.exceptions import ControllerError
 
-    from elastic_ddp.events import retry_worker_deaths_at_start
+    from elastic_ddp.controller.events import retry_worker_deaths_at_start
 
     policy = DefaultFailurePolicy(FailureConfig(max_failures=3, controller_failure_limit=2))
     died = ControllerError(ActorDiedError())
@@ -133,7 +133,7 @@ def test_a_position_written_on_another_ray_node_of_this_machine_is_read_without_
 
     import ray
 
-    from elastic_ddp.failures import Position, position_dir, read_position
+    from elastic_ddp.positions import Position, position_dir, read_position
 
     assert not ray.is_initialized()
     pos = Position(rank=1, run="r", node="node-a")
@@ -147,7 +147,7 @@ def test_a_position_written_on_another_ray_node_of_this_machine_is_read_without_
 
 
 def test_the_startup_phases_follow_the_marks_in_time_and_sum_to_the_total():
-    from elastic_ddp.report import startup_breakdown
+    from elastic_ddp.driver.report import startup_breakdown
 
     snap = {"timeline": [{"what": "controller_started", "t": 4.2}, {"what": "worker_group_starting", "t": 4.3},
                          {"what": "worker_group_started", "t": 6.3}],
@@ -172,7 +172,7 @@ def test_a_process_start_is_timed_to_the_clock_tick_not_the_boot_seconds():
     import sys
     import time
 
-    from elastic_ddp.preflight import process_start_time
+    from elastic_ddp.driver.preflight import process_start_time
 
     for _ in range(3):
         t0 = time.time()

@@ -42,9 +42,9 @@ import yaml
 
 from conftest import global_order_ids, mlflow_runs
 from elastic_ddp.checkpoint import load_state
-from elastic_ddp.cli import main
+from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
-from elastic_ddp.launcher import TrainingError, train
+from elastic_ddp.driver.launcher import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit
 from test_robustness import hold_sqlite_lock, mixed_dataset, small_config, write_rows
 
@@ -284,7 +284,7 @@ def test_a_dead_ranks_position_is_read_on_its_node_by_a_pinned_task(ray_cluster)
     own node, else by a zero-CPU task pinned there (forced here: one node)."""
     import ray
 
-    from elastic_ddp.failures import position_dir, read_position
+    from elastic_ddp.positions import position_dir, read_position
     from test_robustness import _sigkilled_rank
 
     pid = _sigkilled_rank(1, 7, run="pinned")
@@ -322,7 +322,7 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(small_config(data, tmp_path)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    p = subprocess.Popen([sys.executable, "-m", "elastic_ddp.cli", "train", str(cfg), "--no-progress"],
+    p = subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     db = tmp_path / "mlflow.db"
     deadline = time.time() + 120
@@ -354,7 +354,7 @@ def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
     cfg.write_text(yaml.safe_dump(small_config(data, tmp_path, {
         "train": {"epochs": 100000, "checkpoint_every_steps": 1000000, "log_every_steps": 1}})))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    p = subprocess.Popen([sys.executable, "-m", "elastic_ddp.cli", "train", str(cfg)],
+    p = subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in p.stdout:  # progress lines, off a terminal: one every few seconds

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conftest import digits_config, mlflow_runs
 from elastic_ddp.config import Config, ConfigError
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.launcher import train
+from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from test_train_e2e import _replay_plain_torch
 

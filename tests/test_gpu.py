@@ -40,7 +40,7 @@ def gpu_ray_cluster():
 
 def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
     from elastic_ddp.config import Config
-    from elastic_ddp.launcher import train
+    from elastic_ddp.driver.launcher import train
     from elastic_ddp.tasks.loading import build_model, load_task
 
     ws = min(2, gpu_ray_cluster)

@@ -101,14 +101,14 @@ def _overrides(data: Path, tmp: Path, name: str, **extra) -> list[str]:
 
 
 def _submit(c, args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit", CONFIG,
+    return subprocess.run([sys.executable, "-m", "elastic_ddp", "submit", CONFIG,
                            "--address", c.dashboard_url, *args],
                           cwd=ROOT, env=_env(c), capture_output=True, text=True, timeout=timeout)
 
 
 def test_submit_refuses_a_bad_config_before_contacting_a_cluster():
     # Nothing listens on port 9: only local validation can answer, with exit 2.
-    out = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit", CONFIG,
+    out = subprocess.run([sys.executable, "-m", "elastic_ddp", "submit", CONFIG,
                           "--address", "http://127.0.0.1:9", "--set", "scaling.max_wrkers=3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
@@ -116,7 +116,7 @@ def test_submit_refuses_a_bad_config_before_contacting_a_cluster():
 
 
 def test_auth_headers_follow_rays_token_sources(tmp_path, monkeypatch):
-    from elastic_ddp.submit import SubmitError, auth_headers
+    from elastic_ddp.driver.submit import SubmitError, auth_headers
 
     for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
         monkeypatch.delenv(k, raising=False)
@@ -166,7 +166,7 @@ def test_every_listener_of_the_cluster_is_on_loopback(cluster):
     """Every TCP listener of every process of both nodes (GCS, raylets, dashboard, agents,
     client server, metrics servers, workers) is on 127.0.0.0/8, none on one of Ray's
     fixed default ports; the cluster dir is private, the token file 0600."""
-    from elastic_ddp.local_ray import listeners
+    from elastic_ddp.driver.local_ray import listeners
 
     found = listeners(cluster.pids())
     names = {name for _, name, _, _ in found}
@@ -190,7 +190,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
     sets = ["--set", "model.kwargs.hidden=32", "--set", "train.epochs=1", "--set", "train.log_every_steps=5",
             "--set", "run.name=submit-e2e", "--set", "run.experiment_name=tests"]
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit",
+    out = subprocess.run([sys.executable, "-m", "elastic_ddp", "submit",
                           str(root / CONFIG), "--address", cluster.dashboard_url, "--wait", *sets],
                          cwd=elsewhere, env=_env(cluster), capture_output=True, text=True, timeout=1200)
     TIMINGS["job_1_epoch_s"] = time.time() - t0
@@ -264,11 +264,11 @@ def test_credentials_in_the_submitters_env_stay_out_of_the_job(cluster, tmp_path
     `ray job list` shows to anyone holding the token)."""
     from ray.job_submission import JobSubmissionClient
 
-    from elastic_ddp.submit import auth_headers
+    from elastic_ddp.driver.submit import auth_headers
 
     secret = "pw-7d1e-never-shown"
     env = {**_env(cluster), "MLFLOW_TRACKING_URI": f"https://alice:{secret}@mlflow.example.com"}
-    out = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "submit", CONFIG,
+    out = subprocess.run([sys.executable, "-m", "elastic_ddp", "submit", CONFIG,
                           "--address", cluster.dashboard_url, "--submission-id", "secret-check",
                           "--set", f"run.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                           "--set", "train.epochs=1"],
@@ -308,7 +308,7 @@ def test_resubmission_resumes_the_same_mlflow_run(cluster, digits_data, tmp_path
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from elastic_ddp.checkpoint import load_state
-    from elastic_ddp.submit import auth_headers
+    from elastic_ddp.driver.submit import auth_headers
 
     name = "resume-e2e"
     sets = _overrides(digits_data, tmp_path, name, **{"train.epochs": 2,

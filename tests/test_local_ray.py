@@ -1,4 +1,4 @@
-"""``elastic_ddp.local_ray``: the listener check sees what ``ss -ltn`` sees, a plain
+"""``elastic_ddp.driver.local_ray``: the listener check sees what ``ss -ltn`` sees, a plain
 ``ray.init(address="local")`` fails it, and ``init_local_ray`` passes it with its
 workers running. Other users' Ray instances on the machine are never looked at: only
 this process and its descendants.
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from elastic_ddp.local_ray import (is_loopback, listeners, listeners_outside_loopback,
+from elastic_ddp.driver.local_ray import (is_loopback, listeners, listeners_outside_loopback,
                                    ray_session_pids)
 
 
@@ -75,7 +75,7 @@ def test_init_local_ray_listens_on_loopback_only():
     process's environment is left as it was."""
     import ray
 
-    from elastic_ddp.local_ray import init_local_ray
+    from elastic_ddp.driver.local_ray import init_local_ray
 
     if ray.is_initialized():
         ray.shutdown()

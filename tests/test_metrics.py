@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 
 def _two_rank_body(rank: int, port: int, out: dict) -> None:
-    from elastic_ddp.parallel import _allreduce_gradients
+    from elastic_ddp.parallel.strategies import _allreduce_gradients
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

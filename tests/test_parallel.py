@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic_ddp.config import Config
-from elastic_ddp.parallel import build_strategy, powersgd_start_step, zero_memory_bytes
+from elastic_ddp.parallel.strategies import build_strategy, powersgd_start_step, zero_memory_bytes
 from elastic_ddp.tasks.loading import build_model as _build_model
 from elastic_ddp.tasks.loading import load_task
 
@@ -257,7 +257,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 @_exits_cleanly
 def _checksum_worker(rank, ws, port, out_dir):
-    from elastic_ddp.parallel import check_params_equal as _check_params_equal
+    from elastic_ddp.parallel.strategies import check_params_equal as _check_params_equal
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -341,7 +341,7 @@ def test_batchnorm_guard_batch_of_one():
     """A per-rank micro-batch of 1 row: BatchNorm1d in training mode raises; under the
     worker's guard the layers use their running statistics (left unchanged) and return
     to training mode afterwards."""
-    from elastic_ddp.batchnorm import batchnorm_guard as _batchnorm_guard
+    from elastic_ddp.parallel.batchnorm import batchnorm_guard as _batchnorm_guard
 
     cfg = Config.from_dict({"data": {"train_path": "unused"},
                             "model": {"name": "mlp", "kwargs": {"hidden": 16, "batch_norm": True}}})
@@ -370,7 +370,7 @@ def _uneven_bn_worker(rank, ws, port, out_dir):
     smallest slice (1), so neither enters SyncBatchNorm's collective and nothing hangs."""
     from datetime import timedelta
 
-    from elastic_ddp.batchnorm import batchnorm_guard as _batchnorm_guard
+    from elastic_ddp.parallel.batchnorm import batchnorm_guard as _batchnorm_guard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

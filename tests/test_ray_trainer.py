@@ -1,4 +1,4 @@
-"""``elastic_ddp.ray_trainer`` on a real local Ray cluster: the controller gets its
+"""``elastic_ddp.compat.ray_trainer`` on a real local Ray cluster: the controller gets its
 ``RAY_TRAIN_*`` settings while neither it nor the workers start with a runtime environment
 (which would make Ray start each through ``setup_worker.py``, importing Ray twice); the
 controller's process (``ControllerHost``) serves every worker group's barrier, across a
@@ -85,8 +85,8 @@ def test_each_worker_groups_barrier_is_served_by_the_controller_across_a_restart
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from elastic_ddp.ray_backend import ProcessGroupConfig
-    from elastic_ddp.ray_trainer import trainer_class
+    from elastic_ddp.compat.ray_backend import ProcessGroupConfig
+    from elastic_ddp.compat.ray_trainer import trainer_class
 
     from ray import cloudpickle
 
@@ -115,7 +115,7 @@ def test_a_job_joining_a_running_cluster_starts_its_controller_early_and_kills_i
 
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import DataError
-    from elastic_ddp.launcher import train
+    from elastic_ddp.driver.launcher import train
 
     before = _actor_classes()
     raw = digits_config(digits_data, tmp_path)
@@ -137,8 +137,8 @@ def _run(tmp_path, monkeypatch, env: dict) -> tuple[dict, list[dict]]:
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.execution.callback import ControllerCallback
 
-    from elastic_ddp.ray_backend import ProcessGroupConfig
-    from elastic_ddp.ray_trainer import trainer_class
+    from elastic_ddp.compat.ray_backend import ProcessGroupConfig
+    from elastic_ddp.compat.ray_trainer import trainer_class
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -178,7 +178,7 @@ def test_a_dead_controllers_placement_group_is_removed_by_the_driver(ray_cluster
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from elastic_ddp.ray_trainer import remove_leftover_placement_groups
+    from elastic_ddp.compat.ray_trainer import remove_leftover_placement_groups
 
     pg = placement_group([{"CPU": 1}])
     ray.get(pg.ready(), timeout=60)

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
-from elastic_ddp.cli import main
+from elastic_ddp.driver.cli import main
 from elastic_ddp.data.scan import DataError, scan_parquet
 
 # ------------------------------------------------------------------------ data helpers
@@ -119,7 +119,7 @@ def test_ray_train_gets_a_file_system_and_a_path_never_a_uri_to_parse(tmp_path, 
     from ray.train.v2._internal.execution.storage import StorageContext
 
     from elastic_ddp.config import Config
-    from elastic_ddp.launcher import build_trainer
+    from elastic_ddp.driver.launcher import build_trainer
 
     storage = tmp_path / name / "ckpt #1 ?x"
     raw = digits_config(tmp_path, tmp_path, {"run": {"name": "sweep #2", "storage_path": str(storage)}})
@@ -226,7 +226,7 @@ def _sigkilled_rank(rank: int, step: int, run: str = "job") -> int:
     killed by SIGKILL; returns its pid (its position record stays behind)."""
     code = textwrap.dedent(f"""
         import os, signal
-        from elastic_ddp.failures import Position
+        from elastic_ddp.positions import Position
         p = Position({rank}, {run!r})
         p.at("data read", {step}, 0)
         p.at("training step", {step}, 0)
@@ -254,7 +254,7 @@ def _actor_died(pid: int):
 
 
 def _gloo_peer_error(step: int, port: int):
-    from elastic_ddp.failures import located
+    from elastic_ddp.positions import located
 
     inner = RuntimeError(f"[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
                          f"closed by peer [127.0.0.1]:{port}. This is typically caused by a remote "
@@ -269,7 +269,7 @@ def controller(tmp_path):
     from mlflow.tracking import MlflowClient
     from test_events import InProcess
 
-    from elastic_ddp.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
     from elastic_ddp.tracking import JobTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -293,8 +293,8 @@ def test_a_rank_killed_at_the_same_step_twice_is_stopped_as_memory(controller):
     with rank 1 as the cause (not rank 0's 'Connection closed by peer'), with its signal,
     node and step read from its position record; the second stops the job naming the
     step, the rank and memory."""
-    from elastic_ddp.events import DeterministicTrainingError
-    from elastic_ddp.failures import position_dir
+    from elastic_ddp.controller.events import DeterministicTrainingError
+    from elastic_ddp.positions import position_dir
 
     events, ctrl = controller
     pid = _sigkilled_rank(1, 3)
@@ -336,8 +336,8 @@ def test_the_same_error_in_any_phase_twice_is_deterministic(controller, phase, e
     """Errors raised in evaluation, in the data read, in metric logging and in a step
     carry the step; the same one twice (addresses, ports and pids differing) stops the
     job with the step, the rank, the phase and the likely cause."""
-    from elastic_ddp.events import DeterministicTrainingError
-    from elastic_ddp.failures import located
+    from elastic_ddp.controller.events import DeterministicTrainingError
+    from elastic_ddp.positions import located
 
     events, ctrl = controller
 
@@ -368,9 +368,9 @@ def test_the_same_error_in_any_phase_twice_is_deterministic(controller, phase, e
 @pytest.mark.parametrize("make", ["data_changed", "non_finite", "data_error"])
 def test_fatal_errors_are_not_retried_even_once(controller, make):
     from elastic_ddp.data.scan import DataError as DE
-    from elastic_ddp.events import DeterministicTrainingError
-    from elastic_ddp.failures import located
-    from elastic_ddp.trainer import DataChangedError, NonFiniteError, StepError
+    from elastic_ddp.controller.events import DeterministicTrainingError
+    from elastic_ddp.positions import located
+    from elastic_ddp.worker.trainer import DataChangedError, NonFiniteError, StepError
 
     events, ctrl = controller
     if make == "data_changed":
@@ -396,7 +396,7 @@ def test_fatal_errors_are_not_retried_even_once(controller, make):
 
 
 def test_error_fingerprints_ignore_addresses_ports_pids_and_ids():
-    from elastic_ddp.failures import normalise
+    from elastic_ddp.controller.failures import normalise
 
     a = ("RayTaskError(OSError): ray::Read() (pid=1234, ip=10.0.0.7) Connection reset by peer "
          "[10.0.0.7]:41779 actor_id 3f2a9c0d1e5b7a6c01000000 at 2026-11-30 13:03:14,866 /tmp/tmpab12x/f")
@@ -409,7 +409,7 @@ def test_error_fingerprints_ignore_addresses_ports_pids_and_ids():
 def test_a_worker_group_error_after_the_budget_names_the_dead_rank_not_the_peer():
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from elastic_ddp.failures import describe_training_error
+    from elastic_ddp.controller.failures import describe_training_error
 
     e = WorkerGroupError("...", {0: _gloo_peer_error(3, 4242), 1: _actor_died(4321)})
     msg = describe_training_error(e)

@@ -40,7 +40,7 @@ def test_the_dry_run_of_a_small_model_does_not_import_torch_dynamo(digits_data, 
     out = _fresh(f"""
         import json, sys
         from elastic_ddp.config import Config
-        from elastic_ddp.preflight import prepare
+        from elastic_ddp.driver.preflight import prepare
         cfg = Config.load({str(cfg_file)!r})
         task, train_info, val_info, sample = prepare(cfg, None)
         from elastic_ddp.tasks.loading import count_params
@@ -84,8 +84,8 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
     # before any worker exists.
     from ray import cloudpickle
 
-    from elastic_ddp.launcher import build_trainer
-    from elastic_ddp.preflight import prepare
+    from elastic_ddp.driver.launcher import build_trainer
+    from elastic_ddp.driver.preflight import prepare
     from elastic_ddp.run_state import JobSpec
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, {"scaling": {"use_gpu": False}}))
@@ -124,7 +124,7 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
     assert DatasetsCallback.__name__ not in names and BackendSetupCallback.__name__ in names
     assert PlacementGroupCleanerCallback.__name__ not in names
     assert "self._create_default_callbacks()" in inspect.getsource(DataParallelTrainer.fit)
-    # elastic_ddp.ray_trainer.run_controller mirrors Ray's controller start; the parts it
+    # elastic_ddp.compat.ray_trainer.run_controller mirrors Ray's controller start; the parts it
     # copies and patches must still be there.
     src = inspect.getsource(DataParallelTrainer._initialize_and_run_controller)
     for piece in ("get_env_vars_to_propagate()", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR", "label_selector",
@@ -140,7 +140,7 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
 
 
 def test_the_process_group_backend_calls_functions_ray_still_has():
-    # elastic_ddp.ray_backend runs Ray's own worker-side set-up; a Ray upgrade that
+    # elastic_ddp.compat.ray_backend runs Ray's own worker-side set-up; a Ray upgrade that
     # renames them must fail here, not in a job.
     import inspect
 
@@ -152,7 +152,7 @@ def test_the_process_group_backend_calls_functions_ray_still_has():
                          ("_shutdown_torch", {"destroy_process_group"})):
         fn = getattr(ray_torch, name)
         assert params <= set(inspect.signature(fn).parameters), name
-    from elastic_ddp.ray_backend import ProcessGroupConfig
+    from elastic_ddp.compat.ray_backend import ProcessGroupConfig
 
     with pytest.raises(ValueError, match="backend='hccl'"):
         ProcessGroupConfig(backend="hccl")
@@ -160,7 +160,7 @@ def test_the_process_group_backend_calls_functions_ray_still_has():
 
 
 def test_the_controller_host_serves_every_method_ray_calls_on_its_controller_and_barrier():
-    # elastic_ddp.ray_trainer.ControllerHost stands for Ray Train's TrainController and
+    # elastic_ddp.compat.ray_trainer.ControllerHost stands for Ray Train's TrainController and
     # SynchronizationActor actors; a Ray upgrade that adds a public method to either must
     # fail here (then: forward it, or list it as in-process only).
     import inspect
@@ -169,7 +169,7 @@ def test_the_controller_host_serves_every_method_ray_calls_on_its_controller_and
     from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2._internal.execution.worker_group import state, worker_group
 
-    from elastic_ddp.ray_trainer import FORWARDED, SYNC_METHODS, ControllerHost
+    from elastic_ddp.compat.ray_trainer import FORWARDED, SYNC_METHODS, ControllerHost
 
     def public(cls) -> set[str]:
         return {n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_ddp.cli import _parser
+from elastic_ddp.driver.cli import _parser
 from elastic_ddp.config import Config, ConfigError
-from elastic_ddp.submit import (cleartext_token_warning, has_credentials, load_runtime_env,
+from elastic_ddp.driver.submit import (cleartext_token_warning, has_credentials, load_runtime_env,
                                 prepare, yaml_value)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _checkout(parent: Path) -> Path:
 
 def _job_argv(entrypoint: str) -> list[str]:
     argv = shlex.split(entrypoint)  # the job's shell splits it the same way
-    assert argv[:3] == ["python", "-m", "elastic_ddp.cli"]
+    assert argv[:3] == ["python", "-m", "elastic_ddp"]
     return argv[3:]
 
 
@@ -222,7 +222,7 @@ def test_data_error_inside_a_ray_job_says_where_relative_paths_resolve(tmp_path)
     """The job's `train` resolves relative data paths in its uploaded copy of the working
     dir; there the fix is an absolute path, not `elastic-ddp prepare` (the generic hint)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
-    cmd = [sys.executable, "-m", "elastic_ddp.cli", "train", str(CONFIG)]
+    cmd = [sys.executable, "-m", "elastic_ddp", "train", str(CONFIG)]
     job = subprocess.run(cmd, cwd=tmp_path, env={**base, "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"},
                          capture_output=True, text=True, timeout=300)
     assert job.returncode == 2
@@ -236,7 +236,7 @@ def test_task_file_outside_the_checkout_is_refused_for_a_remote_cluster(tmp_path
     """A task.path file that the uploaded working dir does not hold would be missing on
     a remote cluster: refused before anything is sent; inside the checkout, an absolute
     path is rewritten relative to the upload."""
-    from elastic_ddp.submit import prepare
+    from elastic_ddp.driver.submit import prepare
 
     repo = Path(__file__).resolve().parents[1]
     outside = tmp_path / "my_task.py"

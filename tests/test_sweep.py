@@ -20,7 +20,7 @@ def test_sweep_world_sizes_1_2_logs_children_and_plots(ray_cluster, digits_data,
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.config import Config
-    from elastic_ddp.sweep import sweep
+    from elastic_ddp.driver.sweep import sweep
 
     # 6 steps, logs at 1, 3, 6; steps 3 and 6 are probe steps; a validation at step 6
     # (two batches per rank) gives each world size its final quality. ws=1 runs 2
@@ -98,7 +98,7 @@ def test_sweep_world_sizes_1_2_logs_children_and_plots(ray_cluster, digits_data,
 
 def test_sweep_refuses_a_world_size_the_batch_cannot_carry(digits_data, tmp_path):
     from elastic_ddp.config import Config, ConfigError
-    from elastic_ddp.sweep import child_config, parse_world_sizes
+    from elastic_ddp.driver.sweep import child_config, parse_world_sizes
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
     perm = Config.from_dict(digits_config(digits_data, tmp_path, {"data": {"order": "permutation"}}))

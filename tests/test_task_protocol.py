@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from conftest import digits_config
-from elastic_ddp.cli import main
+from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
 from elastic_ddp.tasks.loading import TaskError, build_model, load_task, preflight
 from elastic_ddp.tasks.protocol import TransformContext, default_collate, pad_sequences

@@ -163,7 +163,7 @@ def test_a_moved_store_keeps_its_artifacts(tmp_path):
 
 
 def test_restart_event_rows_carry_times_as_text():
-    from elastic_ddp.finish import _event_row
+    from elastic_ddp.driver.finish import _event_row
 
     ev = {"index": 0, "type": "failure", "t": 1_796_000_000.5, "cause": "step 9: boom",
           "world_size_before": 2, "world_size_after": 1, "resumed_at_step": 8,

@@ -27,7 +27,7 @@ import torch
 
 from conftest import digits_config, global_order_ids, mlflow_runs, pycode_config
 from elastic_ddp.config import Config
-from elastic_ddp.launcher import train
+from elastic_ddp.driver.launcher import train
 from elastic_ddp.tasks.loading import build_model, load_task
 
 # The digits job for these tests: the preset's width (hidden 64), half its global batch
@@ -345,7 +345,7 @@ def resize_reference(digits_data, tmp_path_factory):
 ])
 def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_cluster, digits_data,
                                                       tmp_path, strategy, resume_ws):
-    from elastic_ddp.launcher import TrainingError
+    from elastic_ddp.driver.launcher import TrainingError
     from elastic_ddp.ledger import audit, format_audit, read_attempts
 
     ref_loss, ref_acc, n_val = resize_reference

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from conftest import mlflow_runs
-from elastic_ddp.cli import main
+from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.launcher import train
+from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from test_task_protocol import user_config, write_task
 

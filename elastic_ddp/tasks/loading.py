@@ -274,7 +274,7 @@ def count_params(cfg: Config, task: Task) -> Optional[int]:
 def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
     import torch
 
-    from elastic_ddp.trainer import _split_loss
+    from elastic_ddp.worker.trainer import _split_loss
 
     def run(device: str) -> None:
         with torch.device(device):

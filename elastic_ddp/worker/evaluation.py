@@ -17,7 +17,7 @@ def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) ->
     its rows whatever the split across ranks). Every rank runs the same number of
     batches and the same all-reduce, also a rank whose share is empty.
 
-    ``t``: the rank's ``elastic_ddp.trainer.Trainer``; ``rank``/``world_size``: how the
+    ``t``: the rank's ``elastic_ddp.worker.trainer.Trainer``; ``rank``/``world_size``: how the
     split is shared (default: the trainer's; ``0``/``1``: this process alone)."""
     val = t.job.val
     if val is None:

@@ -1,7 +1,7 @@
 """One rank's training run: the ``Trainer`` owns the run state (progress, counters, model,
 optimizer, strategy state) and is the only writer and reader of the checkpoint schema.
 
-    trainer = Trainer(job, rank, world_size, device)     # by elastic_ddp.worker.train_func
+    trainer = Trainer(job, rank, world_size, device)     # by elastic_ddp.worker.entry.train_func
     trainer.restore(ray.train.get_checkpoint())
     trainer.fit()
 
@@ -21,17 +21,17 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from elastic_ddp.batchnorm import batchnorm_guard
+from elastic_ddp.parallel.batchnorm import batchnorm_guard
 from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_length, split_evenly, step_rows
 from elastic_ddp.checkpoint import CheckpointError, report
 from elastic_ddp.config import Config
 from elastic_ddp.data.ingest import LOCAL_FIRST_ROUND_BYTES, open_train_reader
-from elastic_ddp.evaluation import evaluate
-from elastic_ddp.failures import Position
-from elastic_ddp.faults import Fault
+from elastic_ddp.worker.evaluation import evaluate
+from elastic_ddp.positions import Position
+from elastic_ddp.worker.faults import Fault
 from elastic_ddp.ledger import LedgerWriter
 from elastic_ddp.metrics import StepWindow, gradient_bytes
-from elastic_ddp.parallel import build_strategy
+from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model
 from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
                                    Progress, StepError)
@@ -71,7 +71,7 @@ class Trainer:
         self.tracker = TrackerClient(job.tracker, enabled=rank == 0)
         self.fault = Fault(job.fault, rank)
         # Where this rank is (phase, step), for the controller when the process dies
-        # without a Python error (elastic_ddp.failures).
+        # without a Python error (elastic_ddp.controller.failures).
         self.position = Position(rank, cfg.run.name, node=_ray_node_id())
         self.window = StepWindow()
         self._nonfinite_run = 0

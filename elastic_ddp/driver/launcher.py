@@ -15,7 +15,6 @@ actors first, so that they boot while the driver scans; bad input then kills the
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Optional
@@ -23,10 +22,10 @@ from typing import Any, Callable, Optional
 from elastic_ddp import tracking
 from elastic_ddp.background import Background
 from elastic_ddp.config import Config
-from elastic_ddp.finish import finish_job as _finish
-from elastic_ddp.preflight import (_report_skipped, check_ray_address, check_storage,  # noqa: F401
+from elastic_ddp.driver.finish import finish_job as _finish
+from elastic_ddp.driver.preflight import (_report_skipped, check_ray_address, check_storage,  # noqa: F401
                                    prepare, process_start_time)
-from elastic_ddp.report import ProgressDisplay, Summary
+from elastic_ddp.driver.report import ProgressDisplay, Summary
 
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
 
@@ -53,7 +52,7 @@ def _init_ray(cfg: Config) -> None:
     ``ELASTIC_DDP_RAY_LOGS=1`` (``elastic-ddp train --ray-logs``)."""
     import ray
 
-    from elastic_ddp.local_ray import RayDriverLog, init_local_ray, ray_logs_on_console
+    from elastic_ddp.driver.local_ray import RayDriverLog, init_local_ray, ray_logs_on_console
 
     if ray.is_initialized():
         return
@@ -71,7 +70,7 @@ def _init_ray(cfg: Config) -> None:
         # Ray Data's read and transform tasks; the workers set their own torch thread
         # counts. address="local": without it ray.init auto-attaches to any Ray instance
         # running on this machine (another user's `ray start`) and then refuses num_cpus.
-        # Every listener on 127.0.0.1 (elastic_ddp.local_ray).
+        # Every listener on 127.0.0.1 (elastic_ddp.driver.local_ray).
         need = int(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 2
         init_local_ray(num_cpus=max(need, os.cpu_count() or 1), **log_kw)
     if routing is not None:
@@ -101,7 +100,7 @@ def _answers() -> bool:
 def _connect_and_start(cfg: Config, uri: str) -> tuple:
     """Connect to Ray, then start the Ray Train controller's process
     (``ray_trainer.ControllerHost``) and the tracker actor; both boot from now on."""
-    from elastic_ddp.ray_trainer import start_controller_host
+    from elastic_ddp.compat.ray_trainer import start_controller_host
 
     _init_ray(cfg)
     host = start_controller_host()
@@ -127,10 +126,10 @@ def build_trainer(cfg: Config, job, tracker):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from elastic_ddp.events import ControllerEvents, ElasticEvents
-    from elastic_ddp.ray_backend import ProcessGroupConfig
-    from elastic_ddp.ray_trainer import trainer_class
-    from elastic_ddp.worker import train_func
+    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.compat.ray_backend import ProcessGroupConfig
+    from elastic_ddp.compat.ray_trainer import trainer_class
+    from elastic_ddp.worker.entry import train_func
 
     s = cfg.scaling
     # Read by the Ray Train controller when it starts (propagated from this process).
@@ -150,12 +149,12 @@ def build_trainer(cfg: Config, job, tracker):
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
     # collective for a dead peer before Ray Train tears the group down.
-    # Ray's TorchConfig would make the controller import torch (elastic_ddp.ray_backend).
+    # Ray's TorchConfig would make the controller import torch (elastic_ddp.compat.ray_backend).
     torch_config = ProcessGroupConfig(backend="nccl" if use_gpu else "gloo", timeout_s=s.collective_timeout_s)
     if s.fault_tolerance == "per_step":
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
-        from elastic_ddp.fault_tolerance import LIGHTHOUSE
+        from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
 
         # max_workers replica groups of one worker; a quorum below it still commits, and
         # Ray replaces a dead replica alone (a different worker count would restart all).
@@ -206,8 +205,8 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     ``task``: an ``elastic_ddp.Task`` object (default: ``task.path`` / ``model.name``).
     ``ledger_dir``: write the per-step sample-id ledger there (``elastic_ddp.ledger``
     audits it). ``fault``: TEST HOOK, a worker kills itself or raises at a chosen step
-    (``elastic_ddp.faults``); never set it in a real job. ``parent_run_id``: open the
-    MLflow run as a child of this run (``elastic_ddp.sweep``). ``command_start``: when the
+    (``elastic_ddp.worker.faults``); never set it in a real job. ``parent_run_id``: open the
+    MLflow run as a child of this run (``elastic_ddp.driver.sweep``). ``command_start``: when the
     command started (seconds since the epoch), so the command-to-first-step profile
     includes interpreter start and imports. ``on_validated(cfg)``: called once every
     input check passed, before MLflow starts, and before Ray starts unless the job joins
@@ -225,7 +224,6 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     opener = RunOpener(uri)
     host = tracker = None
     try:
-        import ray
 
         from elastic_ddp.run_state import JobSpec
 
@@ -301,7 +299,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
         return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, task, sample,
                        train_info.num_rows, storage)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
-        from elastic_ddp.failures import describe_training_error
+        from elastic_ddp.controller.failures import describe_training_error
 
         msg = describe_training_error(e)
         _close_failed(uri, run_id, tracker, msg, "FAILED", opener)
@@ -322,7 +320,7 @@ def _after_failed_fit(tracker) -> None:
 
     try:
         timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
-        from elastic_ddp.ray_trainer import remove_leftover_placement_groups
+        from elastic_ddp.compat.ray_trainer import remove_leftover_placement_groups
 
         removed = remove_leftover_placement_groups(timeline)
     except Exception:  # noqa: BLE001 - the job's own error is the one to raise

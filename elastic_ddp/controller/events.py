@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.callback import UserCallback
 
-from elastic_ddp.failures import classify, likely_cause, primary, read_position, signature
+from elastic_ddp.controller.failures import classify, likely_cause, primary, signature
+from elastic_ddp.positions import read_position
 
 EVENTS_ARTIFACT = "events/events.json"
 TIMELINE_ARTIFACT = "events/timeline.json"
@@ -121,11 +122,11 @@ class ElasticEvents(UserCallback):
     def _positions(self, pending: Dict[int, Exception]) -> Dict[int, dict]:
         """The last position record of every dead rank in ``pending`` (read on its node),
         with the actor's death time from the GCS as ``t`` (who died first)."""
-        from elastic_ddp.failures import _death
+        from elastic_ddp.controller.failures import death_of
 
         out: Dict[int, dict] = {}
         for rank, exc in pending.items():
-            dead = _death(exc)
+            dead = death_of(exc)
             if dead is None:
                 continue
             meta = self.workers.get(rank, {})

@@ -9,15 +9,15 @@ import time
 
 
 def train_func(loop_config: dict) -> None:
-    """Build this rank's :class:`~elastic_ddp.trainer.Trainer`, restore the newest
+    """Build this rank's :class:`~elastic_ddp.worker.trainer.Trainer`, restore the newest
     checkpoint Ray Train hands over, train to the end."""
     t_enter = time.time()
     import ray.train
     import ray.train.torch
     import torch
 
-    from elastic_ddp.failures import located
-    from elastic_ddp.trainer import Trainer
+    from elastic_ddp.positions import located
+    from elastic_ddp.worker.trainer import Trainer
 
     from ray import cloudpickle
 
@@ -27,7 +27,7 @@ def train_func(loop_config: dict) -> None:
     torch.set_num_threads(scaling.get("torch_threads") or max(1, int(scaling["cpus_per_worker"])))
     cls = Trainer
     if scaling.get("fault_tolerance") == "per_step":
-        from elastic_ddp.fault_tolerance import per_step_trainer_class
+        from elastic_ddp.worker.fault_tolerance import per_step_trainer_class
 
         cls = per_step_trainer_class()
     trainer = None
@@ -39,7 +39,7 @@ def train_func(loop_config: dict) -> None:
         trainer.finish()
     except Exception as e:
         # Every error leaves this rank with where it happened (step, epoch, phase) and
-        # whether a restart can fix it, for the controller (elastic_ddp.events).
+        # whether a restart can fix it, for the controller (elastic_ddp.controller.events).
         where = trainer.position.record if trainer is not None else None
         if trainer is not None:
             trainer.position.close()  # the error itself carries the position now

@@ -345,7 +345,7 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     import ray
 
     from elastic_ddp import tracking
-    from elastic_ddp.launcher import _init_ray, train
+    from elastic_ddp.driver.launcher import _init_ray, train
 
     sizes = sorted(set(world_sizes))
     tag = time.strftime("%Y%m%d-%H%M%S")

@@ -11,7 +11,7 @@ from typing import Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
-from elastic_ddp.report import Summary, goodput, mlflow_ui_command, recovery_events, startup_breakdown
+from elastic_ddp.driver.report import Summary, goodput, mlflow_ui_command, recovery_events, startup_breakdown
 
 
 def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
@@ -20,7 +20,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     """Close a finished job: flush the tracker, read the newest complete checkpoint, log
     the final model (``model/state.pt`` and an MLflow PyTorch model), goodput, wall
     seconds, start-up and recovery tables into the run, mark it FINISHED, and return the
-    :class:`~elastic_ddp.report.Summary`. ``t0``: the job's start (seconds since the
+    :class:`~elastic_ddp.driver.report.Summary`. ``t0``: the job's start (seconds since the
     epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run)."""
     import ray
 

@@ -2,7 +2,7 @@
 
     elastic-ddp submit experiments/configs/digits_cnn.yaml --address http://127.0.0.1:8265 --wait
 
-The job runs ``python -m elastic_ddp.cli train CONFIG --set ...`` on the head node with
+The job runs ``python -m elastic_ddp train CONFIG --set ...`` on the head node with
 the runtime env of ``cluster/runtime_env.yaml``: the working directory (the checkout
 that holds the config, less what ``.rayignore`` keeps out) is uploaded and put on every
 worker's ``PYTHONPATH``, so the cluster runs exactly this checkout's code; the
@@ -52,7 +52,7 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from elastic_ddp.config import Config, ConfigError
-from elastic_ddp.submit_checks import (CLUSTER_MLFLOW_FIX, PATH_FIELDS, SECRET_NAME,
+from elastic_ddp.driver.submit_checks import (CLUSTER_MLFLOW_FIX, PATH_FIELDS, SECRET_NAME,
                                        cleartext_token_warning, effective_tracking_uri,
                                        has_credentials, is_local_address, is_uri,
                                        local_only_settings, yaml_value)
@@ -226,7 +226,7 @@ def _ship_task_files(cfg: Config, wd: Path, local: bool) -> list[str]:
 def build_entrypoint(config_rel: str, overrides: list[str]) -> str:
     """The job's shell command. ``python -m`` rather than the ``elastic-ddp`` script:
     the uploaded working dir is on the path, an installed console script may not be."""
-    parts = ["python", "-m", "elastic_ddp.cli", "train", config_rel]
+    parts = ["python", "-m", "elastic_ddp", "train", config_rel]
     for o in overrides:
         parts += ["--set", o]
     return " ".join(shlex.quote(p) for p in parts)

@@ -138,7 +138,7 @@ def done_marker(storage: str, run_name: str) -> Optional[Path]:
 def per_step_trainer_class():
     """The ``Trainer`` subclass of per-step fault tolerance (imported lazily: torchft is
     an optional dependency, ``pip install 'elastic-ddp[ft]'``)."""
-    from elastic_ddp.trainer import Counters, Progress, Trainer
+    from elastic_ddp.worker.trainer import Counters, Progress, Trainer
 
     class PerStepTrainer(Trainer):
         """A replica group of its own; each step's quorum decides who computes which
@@ -227,7 +227,7 @@ def per_step_trainer_class():
             collective that a replica's death could break mid-way."""
             if self.ft.participant != 0:
                 return {}
-            from elastic_ddp.evaluation import evaluate
+            from elastic_ddp.worker.evaluation import evaluate
 
             out = evaluate(self, rank=0, world_size=1)
             if out:

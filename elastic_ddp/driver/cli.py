@@ -168,7 +168,7 @@ def _route_library_logs(ray_logs: bool) -> None:
     import logging
     import os
 
-    from elastic_ddp.local_ray import RAY_LOGS_ENV
+    from elastic_ddp.driver.local_ray import RAY_LOGS_ENV
 
     if ray_logs:
         os.environ[RAY_LOGS_ENV] = "1"
@@ -227,7 +227,7 @@ def _prepare(args) -> int:
 def _submit(args) -> int:
     import os
 
-    from elastic_ddp.submit import DEFAULT_ADDRESS, SubmitError, submit
+    from elastic_ddp.driver.submit import DEFAULT_ADDRESS, SubmitError, submit
 
     address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or DEFAULT_ADDRESS
     try:
@@ -292,8 +292,8 @@ def _set_text(value: Any) -> str:
 
 
 def _sweep(cfg, args) -> int:
-    from elastic_ddp.launcher import TrainingError
-    from elastic_ddp.sweep import parse_world_sizes, sweep
+    from elastic_ddp.driver.launcher import TrainingError
+    from elastic_ddp.driver.sweep import parse_world_sizes, sweep
 
     world_sizes = parse_world_sizes(args.world_sizes)  # ConfigError (exit 2) before printing
     print("\n".join(config_lines(cfg, args.verbose)), flush=True)
@@ -312,8 +312,8 @@ def _sweep(cfg, args) -> int:
 def _train(cfg, args) -> int:
     from dataclasses import asdict
 
-    from elastic_ddp.launcher import TrainingError, process_start_time, train
-    from elastic_ddp.report import format_summary
+    from elastic_ddp.driver.launcher import TrainingError, process_start_time, train
+    from elastic_ddp.driver.report import format_summary
 
     def show_config(c) -> None:  # once the task and the data passed their checks
         print("\n".join(config_lines(c, args.verbose)), flush=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from elastic_ddp.checkpoint import unwrap_state_dict
-from elastic_ddp.comm_hooks import (_bf16_compress, _load_powersgd_state, _powersgd_state,  # noqa: F401
+from elastic_ddp.parallel.comm_hooks import (_bf16_compress, _load_powersgd_state, _powersgd_state,  # noqa: F401
                                     powersgd_start_step, zero_memory_bytes)
 from elastic_ddp.config import Config
 
@@ -151,7 +151,7 @@ class DDPStrategy(Strategy):
             # all-reduce of mean/var per BN layer per forward, one more in backward).
             # PyTorch's SyncBatchNorm is GPU-only (DDP refuses it on CPU modules), so
             # gloo/CPU runs get GlobalBatchNorm, the same statistics by a plain all-reduce.
-            from elastic_ddp.batchnorm import convert_global_batchnorm
+            from elastic_ddp.parallel.batchnorm import convert_global_batchnorm
 
             self.module = module = (nn.SyncBatchNorm.convert_sync_batchnorm(module)
                                     if device.type == "cuda" else convert_global_batchnorm(module))

@@ -1,6 +1,6 @@
 """Ray on this machine that listens on 127.0.0.1 only, and the checks that prove it.
 
-    from elastic_ddp.local_ray import init_local_ray, listeners_outside_loopback
+    from elastic_ddp.driver.local_ray import init_local_ray, listeners_outside_loopback
     init_local_ray(num_cpus=4)
     assert listeners_outside_loopback() == []   # this process and its descendants
 

@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
-from elastic_ddp.config import ConfigError
+from elastic_ddp.config.errors import ConfigError
 
 _NULL_TEXT = ("", "null", "~")  # compared lower-cased and stripped
 _SEQUENCES = (list, tuple, set, frozenset)

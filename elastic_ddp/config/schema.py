@@ -16,9 +16,9 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from elastic_ddp.config.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config that cannot run. The message names the field (or file) and the fix."""
+
 
 
 # run.name becomes a directory under run.storage_path (Ray Train's run directory), the
@@ -371,7 +371,7 @@ class Config(_Section):
              base: dict | None = None) -> "Config":
         """Read a YAML preset, apply ``key.sub=value`` overrides, validate.
 
-        An override's value is typed by the field it sets (``elastic_ddp.overrides``):
+        An override's value is typed by the field it sets (``elastic_ddp.config.overrides``):
         the raw text for a string field, true/false for a bool, YAML flow syntax for a
         list or dict, YAML scalars for free-form (``Any``) values.
 
@@ -392,10 +392,10 @@ class Config(_Section):
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{p}: the top level must be a mapping of sections")
             raw = _deep_merge(raw, loaded)
-        from elastic_ddp.overrides import parse_override  # imports ConfigError from here
+        from elastic_ddp.config.overrides import parse_override  # imports ConfigError from here
 
         for item in overrides or []:
-            # Typed by the target field's annotation (elastic_ddp/overrides.py): a str
+            # Typed by the target field's annotation (elastic_ddp/config/overrides.py): a str
             # field takes the raw text, a bool only true/false, a list YAML flow syntax.
             _set_dotted(raw, *parse_override(cls, item))
         source = str(path) if path else "<dict>"
@@ -482,7 +482,7 @@ def _format_validation_error(e: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or check the spelling (see elastic_ddp/config.py)"
+            msg = "unknown key; remove it or check the spelling (see elastic_ddp/config/schema.py)"
         elif err["type"] == "literal_error":
             msg = f"{err.get('input')!r} is not allowed: {msg}"
         # Cross-field errors have no location; their message names the fields itself.
