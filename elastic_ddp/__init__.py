@@ -12,7 +12,7 @@ Bring your own model and data by subclassing :class:`Task` (see
 from elastic_ddp.config import Config, ConfigError
 from elastic_ddp.tasks.protocol import Column, Task, TransformContext, pad_sequences
 
-__version__ = "0.1.0"
+from elastic_ddp.version import __version__
 __all__ = ["Column", "Config", "ConfigError", "Task", "TransformContext", "pad_sequences",
            "train", "__version__"]
 

@@ -67,7 +67,7 @@ def located(exc: BaseException, rank: int, where: Optional[Mapping[str, Any]]) -
     if type(orig).__name__.startswith("RayTaskError") and isinstance(cause, BaseException):
         # A Ray task's error (a Ray Data read or transform task): its own error first,
         # then where it ran (the task's name, pid and node, which differ per attempt).
-        # "ray::ReadX->MapBatches(_Transform)() (pid=1, ip=10.0.0.7)": where the task ran.
+        # "ray::ReadX->MapBatches(TaskTransform)() (pid=1, ip=10.0.0.7)": where the task ran.
         task = next((ln.strip() for ln in text.splitlines() if "pid=" in ln),
                     getattr(orig, "function_name", None) or "a Ray Data task")
         error_type = type(cause).__name__

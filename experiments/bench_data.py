@@ -106,9 +106,9 @@ def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     steady = lambda k: [v for st, v in hist[k] if kill_at // 2 < st < kill_at]  # noqa: E731
     _, info, _, _ = prepare(cfg)
     order = epoch_order(info, cfg, 0)
-    from elastic_ddp.data.ingest import _bytes
+    from elastic_ddp.data.ingest import window_bytes
 
-    per_rank = [_bytes(info, order.rank_windows(r, 2, 0)) for r in range(2)]
+    per_rank = [window_bytes(info, order.rank_windows(r, 2, 0)) for r in range(2)]
     whole = sum(g.nbytes for g in info.row_groups)
     window = max(cfg.data.shuffle_window_rows / cfg.partitions, ROW_GROUP) * whole / info.num_rows
     # The run stops inside its epoch: the audit checks that no committed step repeated a
@@ -252,7 +252,7 @@ def run_plain(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
 def resume_open_times(data: Path, tmp: Path) -> dict:
     """Seconds from opening rank 0's reader (Ray Data pipeline) at a cursor to holding the
     first step's rows, at cursor 0, mid-epoch and 90% into the epoch."""
-    from elastic_ddp.data.ingest import open_train_reader
+    from elastic_ddp.data.readers import open_train_reader
     from elastic_ddp.driver.launcher import prepare
 
     cfg = _config(data, tmp, "open", 10)

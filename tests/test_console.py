@@ -1,7 +1,7 @@
 """What a person sees on the console when the output is piped to a file: no Ray-internal
 lines (they go to Ray's session logs), no colour codes, the progress as sparse plain
 lines with epochs counted from 1. A real driver process (subprocess, stdout and stderr
-piped) starts a real local Ray through the launcher's ``_init_ray`` and polls a real
+piped) starts a real local Ray through the launcher's ``init_ray`` and polls a real
 actor with the launcher's ``ProgressDisplay``."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 DRIVER = textwrap.dedent("""
     import time, ray
     from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import _init_ray
+    from elastic_ddp.driver.launcher import init_ray
     from elastic_ddp.driver.report import ProgressDisplay
     cfg = Config.from_dict({"data": {"train_path": "x"}, "model": {"name": "cnn"},
                             "scaling": {"min_workers": 1, "max_workers": 1}})
-    _init_ray(cfg)
+    init_ray(cfg)
 
     @ray.remote(num_cpus=0)
     class Tracker:  # the JobTracker's progress() contract: the latest raw metrics

@@ -113,7 +113,7 @@ def test_a_worker_death_at_group_start_is_retried_not_fatal():
     from ray.train.v2.api.config import FailureConfig
     from ray.train.v2.api.exceptions import ControllerError
 
-    from elastic_ddp.controller.events import retry_worker_deaths_at_start
+    from elastic_ddp.compat.ray_train import retry_worker_deaths_at_start
 
     policy = DefaultFailurePolicy(FailureConfig(max_failures=3, controller_failure_limit=2))
     died = ControllerError(ActorDiedError())

@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 
 def _two_rank_body(rank: int, port: int, out: dict) -> None:
-    from elastic_ddp.parallel.strategies import _allreduce_gradients
+    from elastic_ddp.parallel.strategies import allreduce_gradients
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -151,7 +151,7 @@ def _two_rank_body(rank: int, port: int, out: dict) -> None:
         ddp.zero_grad(set_to_none=True)
         with ddp.no_sync():
             ddp(x).square().sum().backward()
-        _allreduce_gradients(ddp, 2)
+        allreduce_gradients(ddp, 2)
         out[f"equal{rank}"] = all(torch.equal(p.grad, w) for p, w in zip(ddp.parameters(), want))
     finally:
         dist.destroy_process_group()

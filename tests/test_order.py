@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import epoch_order, open_train_reader, val_batches
+from elastic_ddp.data.ingest import epoch_order, val_batches
+from elastic_ddp.data.readers import open_train_reader
 from elastic_ddp.data.order import EpochOrder, RowGroup, offset_in_partition, owner
 from elastic_ddp.data.scan import scan_parquet
 from elastic_ddp.tasks.protocol import Column, Task
@@ -239,7 +240,7 @@ def test_a_batch_spanning_two_windows_is_split_between_them(tmp_path):
     info = scan_parquet(tmp_path, Echo.columns)
     rd = open_train_reader(info, Echo(), cfg, 0, 1, 0, 0, 20, local=True, template=T)[1]
     ref = open_train_reader(info, Echo(), cfg, 0, 1, 0, 0, 20, local=True, template=T)[1]
-    merged = ingest._concat([rd._next_batch(), rd._next_batch()])
+    merged = ingest.concat_rows([rd._next_batch(), rd._next_batch()])
     assert len(np.unique(merged[ingest.SEQ])) == 2
     rd._ready.appendleft(merged)
     for c in range(0, 200, 20):

@@ -348,9 +348,9 @@ def test_the_same_error_in_any_phase_twice_is_deterministic(controller, phase, e
             cause = OSError("Couldn't deserialize thrift: don't know what type: \n"
                             "Deserializing page header failed.")
             ip = f"10.0.0.{port % 200}"
-            tb = (f"\x1b[36mray::ReadElasticDDPWindows->MapBatches(_Transform)()\x1b[39m "
+            tb = (f"\x1b[36mray::ReadElasticDDPWindows->MapBatches(TaskTransform)()\x1b[39m "
                   f"(pid={port}, ip={ip})\n  File \"ingest.py\", line 51\nOSError: ...")
-            return RayTaskError("ReadElasticDDPWindows->MapBatches(_Transform)", tb, cause,
+            return RayTaskError("ReadElasticDDPWindows->MapBatches(TaskTransform)", tb, cause,
                                 pid=port, ip=ip).as_instanceof_cause()
         return type(error)(str(error.args[0]).format(port=port))
 

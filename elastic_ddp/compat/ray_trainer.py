@@ -210,7 +210,7 @@ def _serve_sync_actors_in(host) -> None:
 def start_controller_host():
     """A :class:`ControllerHost` actor on this driver's node (no CPU reserved, as Ray Train
     places its controller), booting from now on; pass it to :func:`run_controller`
-    through ``trainer._controller_host``. Needs a connected Ray."""
+    through ``trainer.controller_host``. Needs a connected Ray."""
     import ray
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 
@@ -292,10 +292,10 @@ def trainer_class(torch_trainer):
             drop = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
             return [c for c in super()._create_default_callbacks() if not isinstance(c, drop)]
 
-        _controller_host = None  # a ControllerHost started ahead of fit (launcher.train)
+        controller_host = None  # a ControllerHost started ahead of fit (launcher.train)
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
-            return run_controller(controller_init_kwargs, self._controller_host)
+            return run_controller(controller_init_kwargs, self.controller_host)
 
     return Trainer
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.callback import UserCallback
+
+from elastic_ddp.compat.ray_train import (ControllerCallback, WorkerGroupCallback, actor_death_time,
+                                          retry_worker_deaths_at_start)
 
 from elastic_ddp.controller.failures import classify, likely_cause, primary, signature
 from elastic_ddp.positions import read_position
@@ -133,7 +135,7 @@ class ElasticEvents(UserCallback):
             pos = read_position(meta.get("node_id"), meta.get("pid")) or {}
             if pos and pos.get("run") not in (None, self.run_name) and self.run_name:
                 pos = {}
-            t = _death_time(getattr(dead, "actor_id", None))
+            t = actor_death_time(getattr(dead, "actor_id", None))
             out[rank] = {**pos, "t": t if t is not None else pos.get("t")}
         return out
 
@@ -173,26 +175,6 @@ class ElasticEvents(UserCallback):
             ray.get(ref, timeout=timeout_s)
         except Exception:  # noqa: BLE001 - tracking must never fail the run
             pass
-
-
-def retry_worker_deaths_at_start() -> None:
-    """Make a worker that dies while its group starts a retryable failure (run in the
-    controller's process, by ``ControllerEvents.after_controller_start``).
-
-    Ray Train 2.60 turns a ``RayActorError`` raised while it launches the train function
-    (``WorkerGroup._start_impl``: ``ray.get(run_train_fn)`` is outside the block that
-    wraps actor deaths as ``WorkerGroupStartupFailedError``) into a ``ControllerError``,
-    which its failure policy retries only for the startup errors listed in
-    ``failure_handling.default.RETRYABLE_CONTROLLER_ERRORS``: a kill in that window ended
-    the job. The same death a moment later is an ordinary, retried worker failure.
-    Retries of controller errors are bounded by ``FailureConfig.controller_failure_limit``
-    (the launcher sets it). Private Ray API, pinned by the ``ray==2.60.0`` requirement;
-    ``tests/test_events.py`` fails if it moves."""
-    from ray.exceptions import RayActorError
-    from ray.train.v2._internal.execution.failure_handling import default
-
-    if RayActorError not in default.RETRYABLE_CONTROLLER_ERRORS:
-        default.RETRYABLE_CONTROLLER_ERRORS = (*default.RETRYABLE_CONTROLLER_ERRORS, RayActorError)
 
 
 class ControllerEvents(ControllerCallback, WorkerGroupCallback):
@@ -268,18 +250,3 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
         # The group being started has this size even if it dies before its first
         # report (else the next failure would name the size of the group before it).
         self.sink._last_world_size = new_size
-
-
-
-def _death_time(actor_id: Optional[str]) -> Optional[float]:
-    """When the GCS saw actor ``actor_id`` die (seconds since the epoch), or None."""
-    if not actor_id:
-        return None
-    try:
-        import ray._private.state as state
-
-        info = state.actors(actor_id=actor_id)
-        end = info.get("EndTime") if isinstance(info, dict) else None
-        return end / 1000.0 if end else None
-    except Exception:  # noqa: BLE001 - bookkeeping only
-        return None

@@ -23,7 +23,7 @@ from elastic_ddp import tracking
 from elastic_ddp.background import Background
 from elastic_ddp.config import Config
 from elastic_ddp.driver.finish import finish_job as _finish
-from elastic_ddp.driver.preflight import (_report_skipped, check_ray_address, check_storage,  # noqa: F401
+from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                    prepare, process_start_time)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
 
@@ -43,7 +43,7 @@ def _storage_path(cfg: Config) -> str:
 
 
 
-def _init_ray(cfg: Config) -> None:
+def init_ray(cfg: Config) -> None:
     """Connect to Ray: the cluster ``RAY_ADDRESS`` names, else a private local one.
 
     Ray's own log lines stay off the console (``local_ray.RayDriverLog``: the driver's
@@ -102,7 +102,7 @@ def _connect_and_start(cfg: Config, uri: str) -> tuple:
     (``ray_trainer.ControllerHost``) and the tracker actor; both boot from now on."""
     from elastic_ddp.compat.ray_trainer import start_controller_host
 
-    _init_ray(cfg)
+    init_ray(cfg)
     host = start_controller_host()
     return host, tracking.start_tracker(uri)
 
@@ -181,7 +181,7 @@ def build_trainer(cfg: Config, job, tracker):
             name=cfg.run.name,
             storage_path=storage_fs_path, storage_filesystem=storage_fs,
             # Controller errors (a placement that timed out, a worker dead before its train
-            # function ran: events.retry_worker_deaths_at_start) are retried too, but not
+            # function ran: compat.ray_train.retry_worker_deaths_at_start) are retried too, but not
             # forever: Ray's default is unbounded, and a death that repeats at start-up
             # (out of memory on import) would loop.
             failure_config=FailureConfig(
@@ -239,7 +239,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
         task, train_info, val_info, sample = prepare(cfg, task)
         if on_validated is not None:
             on_validated(cfg)
-        skipped = _report_skipped(train_info, val_info)
+        skipped = report_skipped(train_info, val_info)
         if not early:
             check_ray_address()
         params = tracking.task_params(cfg, task)
@@ -284,7 +284,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
                       val=val_info, tracker=tracker, t0=t0, sample=sample, storage=storage,
                       ledger_dir=ledger_dir, fault=fault)
         trainer = build_trainer(cfg, job, tracker)
-        trainer._controller_host = host
+        trainer.controller_host = host
         marks["fit_called"] = time.time()
         try:
             if progress:

@@ -70,23 +70,22 @@ def init_local_ray(num_cpus: int, **kw: Any) -> None:
     keyword arguments go to ``ray.init`` (``configure_logging``, ``runtime_env``...).
     """
     import ray
-    from ray._private import ray_constants
+
+    from elastic_ddp.compat.ray_local import cluster_mode
 
     env = loopback_env()
     saved_env = {k: os.environ.get(k) for k in env}
-    saved_mode = ray_constants.ENABLE_RAY_CLUSTER
     kw.setdefault("include_dashboard", False)
     if kw.get("include_dashboard"):
         kw.setdefault("dashboard_host", LOOPBACK)
         kw.setdefault("dashboard_port", free_port())
     os.environ.update(env)
-    # Read at call time by ray._private.services.get_node_ip_address: ray may have been
-    # imported (and the flag computed from the environment) before this call.
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    # Ray may have been imported (and its mode flag computed from the environment)
+    # before this call: the flag is set for the call itself.
     try:
-        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kw)
+        with cluster_mode(False):
+            ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kw)
     finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_mode
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -140,12 +139,9 @@ class RayDriverLog:
     def attach(self) -> Optional[Path]:
         import tempfile
 
-        try:
-            import ray
+        from elastic_ddp.compat.ray_local import session_logs_dir
 
-            logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-        except Exception:  # noqa: BLE001 - not a node of its own (client mode)
-            logs = Path(tempfile.gettempdir())
+        logs = session_logs_dir() or Path(tempfile.gettempdir())  # None: client mode
         self.path = logs / DRIVER_LOG
         try:
             handler: logging.Handler = logging.FileHandler(self.path)
@@ -173,13 +169,13 @@ def ray_start_on_loopback(argv: list[str]) -> int:
     ``resolve_ip_for_localhost`` would turn it into the host's address.
     """
     os.environ[_SINGLE_MACHINE] = "0"  # inherited by every process of the node
-    from ray._private import ray_constants, services
     from ray.scripts.scripts import cli
 
-    ray_constants.ENABLE_RAY_CLUSTER = True  # this process only: allow a worker node
-    resolve = services.resolve_ip_for_localhost
-    services.resolve_ip_for_localhost = lambda host: host if host == LOOPBACK else resolve(host)
-    cli.main(args=["start", *argv], prog_name="ray")  # exits like the `ray` command
+    from elastic_ddp.compat.ray_local import cluster_mode, keep_loopback_addresses
+
+    keep_loopback_addresses(LOOPBACK)
+    with cluster_mode(True):  # this process only: allow a worker node
+        cli.main(args=["start", *argv], prog_name="ray")  # exits like the `ray` command
     return 0
 
 

@@ -121,7 +121,7 @@ def process_start_time(pid: Optional[int] = None) -> Optional[float]:
         return None
 
 
-def _report_skipped(train_info, val_info) -> dict[str, list[str]]:
+def report_skipped(train_info, val_info) -> dict[str, list[str]]:
     """Print once what the scan did not read (hidden entries, non-Parquet files, a
     directory reached twice through symlinks), and return it for the MLflow run."""
     out = {}

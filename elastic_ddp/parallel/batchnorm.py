@@ -14,6 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from elastic_ddp.compat.torch_nn import BatchNormBase
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -34,7 +35,7 @@ class _AllReduceSum(torch.autograd.Function):
         return g
 
 
-class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
+class GlobalBatchNorm(BatchNormBase):
     """BatchNorm over every rank's rows, for CPU process groups (gloo), where PyTorch's
     ``nn.SyncBatchNorm`` refuses to run. Input: [B, C] or [B, C, *spatial], any B >= 0
     per rank (the worker's guard keeps the global count >= 2).
@@ -82,7 +83,7 @@ def convert_global_batchnorm(module: nn.Module) -> nn.Module:
     parameters and running statistics (``nn.SyncBatchNorm.convert_sync_batchnorm``'s
     pattern); returns the (possibly new) root module."""
     out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, GlobalBatchNorm):
         out = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                               module.track_running_stats)
         if module.affine:
@@ -108,7 +109,7 @@ def batchnorm_guard(model: torch.nn.Module, smallest_rows: int):
     if smallest_rows >= 2:
         yield
         return
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    bns = [m for m in model.modules() if isinstance(m, BatchNormBase) and m.training]
     for m in bns:
         m.eval()
     try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from elastic_ddp.config import Config
 
 
-def _bf16_compress(state, bucket):
+def bf16_compress(state, bucket):
     """``default_hooks.bf16_compress_hook`` under another name: DDP refuses that function
     by name unless CUDA + NCCL >= 2.10, while gloo all-reduces bf16 on CPUs too. Halves
     the all-reduce bytes; the sum is taken in bf16 (8-bit mantissa) then cast back."""
@@ -25,7 +25,7 @@ def _bf16_compress(state, bucket):
     return default_hooks._compress_hook(torch.bfloat16, state, bucket)
 
 
-def _powersgd_state(state) -> dict[str, Any]:
+def powersgd_state(state) -> dict[str, Any]:
     """PowerSGD's persistent state as tensors only (loadable with weights_only=True): the
     iteration count, the warm-start P/Q buffers (identical on every rank after their
     all-reduce) and every rank's error-feedback residual, gathered to all ranks with one
@@ -47,7 +47,7 @@ def _powersgd_state(state) -> dict[str, Any]:
     }
 
 
-def _load_powersgd_state(state, saved: dict[str, Any], world_size: int) -> None:
+def load_powersgd_state(state, saved: dict[str, Any], world_size: int) -> None:
     """Restore PowerSGD's iteration count and warm-start buffers always; restore each
     rank's error feedback only at the same world size (elsewhere a rank's residual no
     longer matches its share of the gradient, so it restarts from zero, as at step 0)."""

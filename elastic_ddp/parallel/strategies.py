@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from elastic_ddp.checkpoint import unwrap_state_dict
-from elastic_ddp.parallel.comm_hooks import (_bf16_compress, _load_powersgd_state, _powersgd_state,  # noqa: F401
+from elastic_ddp.parallel.comm_hooks import (bf16_compress, load_powersgd_state, powersgd_state,  # noqa: F401
                                     powersgd_start_step, zero_memory_bytes)
 from elastic_ddp.config import Config
 
@@ -105,7 +105,7 @@ class Strategy:
 
     def allreduce_gradients(self) -> None:
         """The probe's explicit gradient average (see ``can_probe``)."""
-        _allreduce_gradients(self.model, self.world_size)
+        allreduce_gradients(self.model, self.world_size)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to ``max_norm`` (0: no clipping) and return the global gradient norm
@@ -188,7 +188,7 @@ class DDPStrategy(Strategy):
         if hook == "none":
             return
         if hook == "bf16":
-            self.model.register_comm_hook(None, _bf16_compress)
+            self.model.register_comm_hook(None, bf16_compress)
         elif hook == "fp16":
             self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif hook == "powersgd":
@@ -213,7 +213,7 @@ class DDPStrategy(Strategy):
         else:
             out["optimizer"] = opt.state_dict()
         if self.hook_state is not None:
-            out["comm_hook"] = _powersgd_state(self.hook_state)
+            out["comm_hook"] = powersgd_state(self.hook_state)
         return out
 
     def load_full_state(self, state: dict[str, Any]) -> None:
@@ -223,7 +223,7 @@ class DDPStrategy(Strategy):
         # keeps this rank's partition, so the world size may differ from the writer's.
         self.optimizer.load_state_dict(state["optimizer"])
         if self.hook_state is not None and state.get("comm_hook"):
-            _load_powersgd_state(self.hook_state, state["comm_hook"], self.world_size)
+            load_powersgd_state(self.hook_state, state["comm_hook"], self.world_size)
 
 
 class FSDPStrategy(Strategy):
@@ -286,7 +286,7 @@ class FSDPStrategy(Strategy):
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=opts)
 
 
-def _allreduce_gradients(model: nn.Module, ws: int) -> None:
+def allreduce_gradients(model: nn.Module, ws: int) -> None:
     """Average gradients over ranks by hand, as DDP's default comm hook does (divide by
     ws, then all-reduce SUM), in one flat buffer per dtype -- one collective, like one
     big DDP bucket, so its time is the whole all-reduce. Costs a gradient-sized copy."""

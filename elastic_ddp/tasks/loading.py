@@ -216,14 +216,14 @@ def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, d
     """
     import numpy as np
 
-    from elastic_ddp.data.ingest import SEQ, _Transform
+    from elastic_ddp.tasks.transform import SEQ, TaskTransform
 
     out, train_rows = {}, None
     for split, info in (("train", train_info), ("val", val_info or train_info)):
         batch = sample_rows(info)
         batch[SEQ] = np.zeros(len(batch[info.id_column]), np.int64)
         try:
-            rows = _Transform(task, cfg.seed, 0, split, info.id_column)(batch)
+            rows = TaskTransform(task, cfg.seed, 0, split, info.id_column)(batch)
         except Exception as e:  # noqa: BLE001 - any failure of the user's code
             raise TaskError(f"{type(task).__name__}.transform failed on the first rows of "
                             f"{info.files[0]} ({split}): {type(e).__name__}: {e}") from e
@@ -274,14 +274,14 @@ def count_params(cfg: Config, task: Task) -> Optional[int]:
 def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
     import torch
 
-    from elastic_ddp.worker.trainer import _split_loss
+    from elastic_ddp.tasks.protocol import split_loss
 
     def run(device: str) -> None:
         with torch.device(device):
             torch.manual_seed(cfg.seed)
             model = build_model(cfg, task)
         moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tensors.items()}
-        _, extra = _split_loss(task.loss(model, moved), n)
+        _, extra = split_loss(task.loss(model, moved), n)
         check_metric_names(task, extra)
 
     n_params = count_params(cfg, task)

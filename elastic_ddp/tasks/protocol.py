@@ -40,9 +40,12 @@ Data flow of one sample, with shapes (B = rows in a batch):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 Kind = Literal["int", "float", "number", "binary", "string", "list", "any"]
 
@@ -243,3 +246,18 @@ def pad_sequences(seqs: Sequence[np.ndarray], pad_value: int | float = 0,
         mask[i, :n] = True
     return out, mask
 
+
+def split_loss(out, n: int) -> tuple[torch.Tensor, dict]:
+    """``Task.loss``'s return as (loss [B], {name: [B]}).
+
+    Raises:
+        ValueError: the loss is not a per-sample vector of ``n`` values.
+    """
+    import torch
+
+    loss, extra = out if isinstance(out, tuple) else (out, {})
+    if not torch.is_tensor(loss) or loss.dim() != 1 or loss.shape[0] != n:
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise ValueError(f"Task.loss must return the per-sample loss, shape [{n}], got {shape} "
+                         "(use reduction='none' and average over tokens within a sample)")
+    return loss, extra

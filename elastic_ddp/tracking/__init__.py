@@ -10,7 +10,6 @@ Everything is re-exported here (``from elastic_ddp import tracking; tracking.ope
 """
 
 from elastic_ddp.tracking.store import *  # noqa: F401,F403
-from elastic_ddp.tracking.store import _display_rank, _transient  # noqa: F401
 from elastic_ddp.tracking.content import *  # noqa: F401,F403
+from elastic_ddp.tracking.runs import open_run  # noqa: F401
 from elastic_ddp.tracking.tracker import *  # noqa: F401,F403
-from elastic_ddp.tracking.tracker import _attempts_so_far  # noqa: F401

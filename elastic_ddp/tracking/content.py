@@ -123,7 +123,7 @@ def source_tags() -> dict[str, str]:
     checkout ``mlflow.source.git.commit``/``.branch``/``.repoURL`` and
     ``elastic_ddp.git_dirty`` (uncommitted changes to tracked files); plus
     ``elastic_ddp.version``."""
-    from elastic_ddp import __version__
+    from elastic_ddp.version import __version__
 
     try:
         user = getpass.getuser()

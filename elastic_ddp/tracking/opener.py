@@ -134,7 +134,7 @@ def open_job_run(cfg, storage: str, uri: str, parent_run_id: Optional[str], task
         if skipped:
             tracking.log_text(uri, run_id, json.dumps(skipped, indent=1), "data/skipped.json")
             tracking.set_tags(uri, run_id, {"elastic_ddp.data_skipped": sum(map(len, skipped.values()))})
-        attempts = tracking._attempts_so_far(uri, run_id) if resumed else {}
+        attempts = tracking.attempts_so_far(uri, run_id) if resumed else {}
     except BaseException as e:
         tracking.finish_run(uri, run_id, ok=False, error=f"{type(e).__name__}: {e}", status="FAILED")
         raise

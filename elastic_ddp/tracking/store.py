@@ -66,7 +66,7 @@ class TrackingSetupError(ConfigError):
     is deleted); the message says what to do (the CLI's exit 2)."""
 
 
-def _transient(e: BaseException) -> bool:
+def is_transient(e: BaseException) -> bool:
     """A store error worth retrying: locked, unreachable, overloaded. Requests MLflow
     itself rejects (a bad name, a deleted experiment, a missing run) are not."""
     code = getattr(e, "error_code", None)
@@ -98,7 +98,7 @@ def retrying(fn, *args, budget_s: Optional[float] = None, what: str = "", **kwar
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified below
-            if not _transient(e) or time.monotonic() + delay > end:
+            if not is_transient(e) or time.monotonic() + delay > end:
                 raise
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             print(f"elastic-ddp: warning: MLflow store unavailable ({what or getattr(fn, '__name__', 'call')}: "
@@ -165,7 +165,7 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def _display_rank(key: str) -> int:
+def display_rank(key: str) -> int:
     """Where a metric sorts in a write: train/, val/, unprefixed, the rest (worker/)."""
     return (0 if key.startswith("train/") else 1 if key.startswith("val/")
             else 2 if "/" not in key else 3)
@@ -195,7 +195,7 @@ def experiment_id(uri: str, name: str) -> str:
     and every reader (the Ray tracker actor, ``mlflow ui``, a notebook) would resolve it
     against its own; ``mlflow-artifacts:`` URIs, the relocatable kind, need a tracking
     server. So the location is kept absolute and re-anchored instead: when the store has
-    been moved or copied together with its ``mlruns/``, :func:`anchor_artifacts` points
+    been moved or copied together with its ``mlruns/``, :func:`~elastic_ddp.compat.mlflow_store.anchor_artifacts` points
     the experiment, its runs and its logged models at the new ``mlruns/`` the next time
     a job opens the store.
     """
@@ -208,88 +208,19 @@ def experiment_id(uri: str, name: str) -> str:
             f"experiment (its name stays taken until `mlflow gc` purges it). Restore it: "
             f"MLFLOW_TRACKING_URI='{uri}' mlflow experiments restore --experiment-id "
             f"{exp.experiment_id}; or set run.experiment_name to another name")
+    from elastic_ddp.compat import mlflow_store as compat_mlflow
+
     db = sqlite_path(uri)
     if exp is None:
         if db is None:
             return retrying(c.create_experiment, name, what="create experiment")
         exp_id = retrying(c.create_experiment, name, tags={ARTIFACT_ROOT_TAG: "mlruns"},
                           what="create experiment")
-        anchor_artifacts(db, exp_id, c.get_experiment(exp_id).artifact_location)
+        compat_mlflow.anchor_artifacts(db, exp_id, c.get_experiment(exp_id).artifact_location)
         return exp_id
     if db is not None and exp.tags.get(ARTIFACT_ROOT_TAG):
-        anchor_artifacts(db, exp.experiment_id, exp.artifact_location, exp.tags[ARTIFACT_ROOT_TAG])
+        compat_mlflow.anchor_artifacts(db, exp.experiment_id, exp.artifact_location, exp.tags[ARTIFACT_ROOT_TAG])
     return exp.experiment_id
-
-
-def anchor_artifacts(db: Path, exp_id: str, current: str, root: str = "mlruns") -> bool:
-    """Point experiment ``exp_id`` of the sqlite store ``db`` (and its runs' and logged
-    models' artifact locations) at ``<db's folder>/<root>/<exp_id>`` when it points
-    elsewhere (the store was moved or copied with its ``mlruns/``, or the experiment was
-    just created with MLflow's working-directory default). Returns True when it changed
-    anything. MLflow has no API to change an experiment's artifact location, hence the
-    three UPDATEs of the tables MLflow's own ORM maps (``experiments``, ``runs``,
-    ``logged_models``), in one transaction."""
-    import sqlite3
-
-    want = str(db.resolve().parent / root / str(exp_id))
-    old = current[len("file://"):] if current.startswith("file://") else current
-    if old.rstrip("/") == want:
-        return False
-    con = sqlite3.connect(str(db), timeout=30)
-    try:
-        with con:
-            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?",
-                        (want, int(exp_id)))
-            for table, col in (("runs", "artifact_uri"), ("logged_models", "artifact_location")):
-                try:
-                    con.execute(f"UPDATE {table} SET {col} = ? || substr({col}, ?) "
-                                f"WHERE experiment_id = ? AND substr({col}, 1, ?) = ?",
-                                (want, len(current) + 1, int(exp_id), len(current), current))
-                except sqlite3.OperationalError:  # an older schema without the table
-                    pass
-    finally:
-        con.close()
-    try:  # this process's clients keep each run's artifact repository (old location)
-        from mlflow.tracking._tracking_service import utils as _svc
-
-        _svc._artifact_repos_cache.clear()
-    except (ImportError, AttributeError):
-        pass
-    return True
-
-
-def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[str] = None,
-             params: Optional[dict[str, Any]] = None, tags: Optional[dict[str, str]] = None,
-             run_name: Optional[str] = None) -> tuple[str, bool]:
-    """Create the job's MLflow run, or reopen the unfinished one with the same run key.
-
-    ``parent_run_id`` makes a new run a child of that run (MLflow's ``mlflow.parentRunId``
-    tag; the UI nests it). ``params`` default to :func:`job_params`. A new run gets
-    :func:`source_tags` (user, source, git commit) and a description.
-
-    Returns:
-        (run_id, resumed): resumed is True when an earlier submission's run was reopened.
-    """
-    from elastic_ddp.tracking.content import describe, job_params, source_tags
-
-    c = client(uri)
-    exp_id = experiment_id(uri, cfg.run.experiment_name)
-    key = run_key(cfg, storage_path)
-    if cfg.run.resume:
-        runs = retrying(c.search_runs, [exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'",
-                        order_by=["attributes.start_time DESC"], max_results=1, what="search runs")
-        if runs and runs[0].info.status != "FINISHED":
-            retrying(c.update_run, runs[0].info.run_id, status="RUNNING", what="reopen run")
-            return runs[0].info.run_id, True
-    all_tags = {**source_tags(), "mlflow.note.content": describe(cfg), RUN_KEY_TAG: key,
-                STATE_TAG: "running", **(tags or {})}
-    if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
-    run = retrying(c.create_run, exp_id, run_name=run_name or cfg.run.name, tags=all_tags,
-                   what="create run")
-    log_params(uri, run.info.run_id, job_params(cfg) if params is None else params)
-    return run.info.run_id, False
-
 
 
 def param_text(value: Any) -> str:

@@ -9,7 +9,7 @@ import time
 from typing import Any, Optional
 
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
-                                        WORLD_SIZES_TAG, _display_rank, _transient, client,
+                                        WORLD_SIZES_TAG, display_rank, is_transient, client,
                                         metric_key, run_info)
 
 # How long the tracker may hold everything back before a first step (see JobTracker).
@@ -191,7 +191,7 @@ class JobTracker:
                         self._outage_since = None
                     self._cv.notify_all()
             except Exception as e:  # noqa: BLE001 - the store is down or locked: retry later
-                if not _transient(e):
+                if not is_transient(e):
                     # The store refuses something in the batch (a metric name it does not
                     # allow, a value too long): retrying would block every later metric.
                     metrics, tags, arts = self._drop_refused(metrics, tags, arts)
@@ -223,7 +223,7 @@ class JobTracker:
                 else:
                     self._write([], {key: value} if kind == "tag" else {}, {key: value} if kind == "artifact" else {})
             except Exception as e:  # noqa: BLE001 - sorted out below
-                if _transient(e):
+                if is_transient(e):
                     rest = items[i:]
                     return ([m for kd, _, v in rest if kd == "metric" for m in v],
                             {k: v for kd, k, v in rest if kd == "tag"},
@@ -245,7 +245,7 @@ class JobTracker:
             self._client = client(self.uri)
         # train/ and val/ first: the Overview's metrics table lists keys in the order the
         # store first saw them.
-        metrics = sorted(metrics, key=lambda m: (_display_rank(m[0]), m[3], m[2]))
+        metrics = sorted(metrics, key=lambda m: (display_rank(m[0]), m[3], m[2]))
         for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics[i:i + 1000]])
         if tags:
@@ -260,7 +260,7 @@ def start_tracker(uri: str, run_id: Optional[str] = None, attempts: Optional[dic
     while the driver waits for the MLflow helper rather than beside the Ray Train
     controller; ``tracker.bind.remote(run_id, **attempts)`` then names the run. With
     ``run_id`` it is bound at once. ``attempts``: a resumed run's worker-group starts so
-    far (:func:`_attempts_so_far`, read from the run's tags)."""
+    far (:func:`attempts_so_far`, read from the run's tags)."""
     import uuid
 
     import ray
@@ -290,7 +290,7 @@ def head_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:
+def attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:
     tags = run_info(uri, run_id).data.tags
     try:
         return {"attempts_before": int(tags.get(ATTEMPTS_TAG, 0)),

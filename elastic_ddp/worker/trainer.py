@@ -21,11 +21,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from elastic_ddp.compat.torch_nn import BatchNormBase
 from elastic_ddp.parallel.batchnorm import batchnorm_guard
 from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_length, split_evenly, step_rows
 from elastic_ddp.checkpoint import CheckpointError, report
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import LOCAL_FIRST_ROUND_BYTES, open_train_reader
+from elastic_ddp.data.ingest import LOCAL_FIRST_ROUND_BYTES
+from elastic_ddp.data.readers import open_train_reader
 from elastic_ddp.worker.evaluation import evaluate
 from elastic_ddp.positions import Position
 from elastic_ddp.worker.faults import Fault
@@ -33,6 +35,7 @@ from elastic_ddp.ledger import LedgerWriter
 from elastic_ddp.metrics import StepWindow, gradient_bytes
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model
+from elastic_ddp.tasks.protocol import split_loss
 from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
                                    Progress, StepError)
 from elastic_ddp.tracking import TrackerClient
@@ -63,7 +66,7 @@ class Trainer:
         # every worker (restart mode), or this replica alone (per-step fault tolerance).
         self.comm_size = world_size if self.shares_process_group else 1
         self.strategy = build_strategy(cfg, model, device, self.comm_size, self.run.total_steps)
-        self.has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        self.has_batchnorm = any(isinstance(m, BatchNormBase)
                                  for m in model.modules())
         self.progress = Progress()
         self.counters = Counters()
@@ -380,7 +383,7 @@ class Trainer:
             ctx, kind = s.micro_step(i == len(slices) - 1, probe)
             t = clock.start()
             with ctx, batchnorm_guard(s.model, smallest[i]), autocast:
-                loss_vec, extra = _split_loss(task.loss(s.model, tensors), max(1, b - a))
+                loss_vec, extra = split_loss(task.loss(s.model, tensors), max(1, b - a))
                 (loss_vec.float().sum() * (weight if b > a else 0.0)).backward()
             clock.stop(kind, t)
             w.micro[kind] = w.micro.get(kind, 0) + 1
@@ -439,7 +442,7 @@ class Trainer:
 
     def _save_bn(self):
         return [(b, b.detach().clone()) for m in self.strategy.module.modules()
-                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+                if isinstance(m, BatchNormBase) for b in m.buffers()]
 
     def _to_device(self, tensors: dict) -> dict:
         if self.device.type == "cpu":
@@ -492,20 +495,6 @@ class Trainer:
             sys.stdout.flush()
 
     _t_enter = 0.0
-
-
-def _split_loss(out, n: int) -> tuple[torch.Tensor, dict]:
-    """``Task.loss``'s return as (loss [B], {name: [B]}).
-
-    Raises:
-        ValueError: the loss is not a per-sample vector of ``n`` values.
-    """
-    loss, extra = out if isinstance(out, tuple) else (out, {})
-    if not torch.is_tensor(loss) or loss.dim() != 1 or loss.shape[0] != n:
-        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-        raise ValueError(f"Task.loss must return the per-sample loss, shape [{n}], got {shape} "
-                         "(use reduction='none' and average over tokens within a sample)")
-    return loss, extra
 
 
 def _ray_node_id() -> Optional[str]:

@@ -1,0 +1,91 @@
+"""An import-linter contract type: no module outside the allowed ones (the compat seam)
+uses a private API of a dependency.
+
+import-linter's own contracts see an external package only as its top-level name
+(``ray``, never ``ray._private``), so this contract reads the source: an ``import`` or
+``from ... import`` of a dotted name with a component that starts with ``_`` (``ray._private``,
+``ray.train.v2._internal``, ``from torch.nn.modules.batchnorm import _BatchNorm``), or an
+attribute chain rooted at an imported dependency with such a component
+(``ray._private.worker``, ``manager._quorum_id`` is not caught: only names reachable from
+a module), in any module of ``source_package`` outside ``allowed_modules``.
+
+Configured in pyproject.toml (``[tool.importlinter] contract_types``) and run by
+``lint-imports`` (tests/test_import_contracts.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+from importlinter import Contract, ContractCheck, fields, output
+
+
+def _private(dotted: str) -> bool:
+    return any(part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+               for part in dotted.split("."))
+
+
+def private_uses(path: Path, own: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every private dependency API ``path`` imports or reaches."""
+    tree = ast.parse(path.read_text(), str(path))
+    out: list[tuple[int, str]] = []
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in (own, "__future__"):
+                    continue
+                roots.add(a.asname or a.name.split(".")[0])
+                if _private(a.name):
+                    out.append((node.lineno, a.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] in (own, "__future__"):
+                continue
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if _private(full):
+                    out.append((node.lineno, full))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Store):
+            parts, cur = [], node
+            while isinstance(cur, ast.Attribute):
+                parts.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id in roots:
+                dotted = ".".join([cur.id, *reversed(parts)])
+                if _private(dotted) and (node.lineno, dotted) not in out:
+                    out.append((node.lineno, dotted))
+    # An attribute chain is also seen by its prefixes: keep the longest per line.
+    return sorted({(ln, d) for ln, d in out
+                   if not any(ln == l2 and d2 != d and d2.startswith(d + ".") for l2, d2 in out)})
+
+
+class PrivateApiContract(Contract):
+    """Options: ``source_package`` (a package of this project), ``allowed_modules``
+    (modules or packages that may use private dependency APIs)."""
+
+    source_package = fields.StringField()
+    allowed_modules = fields.ListField(subfield=fields.StringField())
+
+    def check(self, graph, verbose: bool) -> ContractCheck:
+        spec = importlib.util.find_spec(str(self.source_package))
+        root = Path(spec.origin).parent
+        own = str(self.source_package).split(".")[0]
+        allowed = [str(m) for m in self.allowed_modules]
+        broken = []
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root.parent).with_suffix("")
+            module = ".".join(p for p in rel.parts if p != "__init__")
+            if any(module == a or module.startswith(a + ".") for a in allowed):
+                continue
+            for line, name in private_uses(path, own):
+                broken.append({"module": module, "line": line, "name": name})
+        return ContractCheck(kept=not broken, metadata={"broken": broken})
+
+    def render_broken_contract(self, check: ContractCheck) -> None:
+        for b in check.metadata["broken"]:
+            output.print_error(f"{b['module']}:{b['line']} uses {b['name']}, a private API of a "
+                               "dependency: move it into elastic_ddp/compat/ with a version guard")
+            output.new_line()

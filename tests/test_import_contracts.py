@@ -1,0 +1,57 @@
+"""The import rules in pyproject.toml (``[tool.importlinter]``), checked by import-linter:
+the package keeps them, and each contract fails when its rule is broken in a copy of it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; "
+        "sys.exit(c(['--no-cache']))"]
+
+
+def lint(cwd: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(cwd)}
+    return subprocess.run(LINT, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_package_keeps_every_import_contract():
+    out = lint(ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("contracts")
+    shutil.copytree(ROOT / "elastic_ddp", d / "elastic_ddp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "tests" / "contracts", d / "tests" / "contracts")
+    shutil.copy(ROOT / "pyproject.toml", d / "pyproject.toml")
+    return d
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("data/order.py", "from elastic_ddp.worker import trainer", "no import upward"),
+    ("controller/events.py", "import torch", "imports neither torch nor MLflow"),
+    ("tracking/store.py", "from elastic_ddp.tracking import runs", "No import circle"),
+    ("data/scan.py", "from ray._private import services", "Private dependency APIs"),
+    ("worker/trainer.py", "import mlflow", "MLflow is used by the tracking layer"),
+])
+def test_a_broken_rule_breaks_its_contract(copy, module, line, contract):
+    path = copy / "elastic_ddp" / module
+    original = path.read_text()
+    path.write_text(original + f"\n{line}  # a broken rule\n")
+    try:
+        out = lint(copy)
+    finally:
+        path.write_text(original)
+    assert out.returncode != 0, out.stdout[-3000:]
+    broken = [ln for ln in out.stdout.splitlines() if ln.endswith("BROKEN")]
+    # An upward import is a circle too: the rule's own contract must be among the broken.
+    assert any(contract in b for b in broken), out.stdout[-3000:]
