@@ -126,7 +126,7 @@ def default_partitions(max_workers: int) -> int:
 # A canonical partition should span at least this many row groups: partition boundaries
 # cut row groups, and a cut row group is read by the ranks owning both sides (adjacent
 # partitions belong to different ranks), so the extra reads per epoch are about
-# partitions / row groups of the data set: at most 1/10 (issue #11's 1.1 x bound).
+# partitions / row groups of the data set: at most 1/10 (a rank reads <= 1.1 x its share).
 ROW_GROUPS_PER_PARTITION = 10
 
 

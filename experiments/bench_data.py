@@ -18,7 +18,7 @@ SIGKILLed before step ``--kill-at``:
 Columns: data set size; command to first step (seconds from the job's start, in this
 process, to the end of step 1); peak RSS per worker (VmHWM, max over ranks and
 attempts); bytes per rank (elastic: what its epoch plan reads per rank over a whole
-epoch, the bound of issue #11: <= 1.1 x data/N + one window; plain: not planned, it
+epoch, bounded by <= 1.1 x data/N + one window; plain: not planned, it
 streams); samples/s at steady state, wall clock from the end of step kill/2 + 1 to the end
 of step kill - 1 on the slowest rank, everything between steps included (the product's
 metric logging, checkpoints every 10 steps and ledger; step ends from the ledger and, in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU paths in one short run, for the first time a GPU machine is lent (issue #12):
+# The GPU paths in one short run, for a lent GPU machine:
 #
 #   bash experiments/gpu_check.sh            # from the repository root; about 5 minutes
 #

@@ -418,9 +418,9 @@ def test_launcher_torch_version_check_against_a_fake_torch(tmp_path, version, ok
     """The same command lines against a stand-in ``torch`` package whose ``__version__``
     is a plain ``str``: below 2.4 the check fails, naming the version; 2.4 and above it
     passes. (Real torch has made ``__version__`` a ``TorchVersion`` with numeric
-    comparisons since 1.10, which is why the old ``torch.__version__ >= '2.4'`` passed on
-    torch 2.13; as a string comparison it fails for 2.10 and later, as this stand-in
-    shows on the old line. The check now compares integers itself.)"""
+    comparisons since 1.10, which is why ``torch.__version__ >= '2.4'`` passes on torch
+    2.13; as a string comparison it fails for 2.10 and later, as this stand-in shows.
+    The check compares integers itself.)"""
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(

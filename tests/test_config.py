@@ -203,7 +203,7 @@ def test_set_typed_fields(tmp_path, item, field, expected):
 
 
 @pytest.mark.parametrize("item,needle", [
-    # 'yes' used to become True silently: a bool means exactly true/false.
+    # YAML would read 'yes' as True: a bool field takes exactly true or false.
     ("scaling.use_gpu=yes", "scaling.use_gpu must be one of auto, true, false; got 'yes'"),
     ("parallel.bf16=1", "parallel.bf16 must be true or false; got '1'"),
     ("parallel.bf16=on", "parallel.bf16 must be true or false"),

@@ -6,7 +6,7 @@ The allowance is relative, measured in the same test: a worker's peak RSS (VmHWM
 tiny data set, plus 200 MiB. The large set decodes to 600 MiB (150k rows of 4 KiB), so
 a worker holding its share (300 MiB at 2 workers) or the whole set would exceed it;
 ``data.order: permutation``, which keeps the share, does (``ELASTIC_DDP_SCALE_ORDER=
-permutation`` runs this test that way; measured figures in the README).
+permutation`` runs this test that way; measured figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations

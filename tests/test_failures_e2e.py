@@ -315,7 +315,7 @@ def test_a_deleted_experiment_exits_2_with_the_fix_and_creates_no_run(ray_cluste
 @pytest.mark.ray  # starts its own local Ray in the subprocess
 def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
     """The job's MLflow run opens beside ray.init; a Ctrl-C (or any failure) before Ray is
-    up used to leave it RUNNING forever. Now it is closed (KILLED) and the CLI exits 130."""
+    up must not leave it RUNNING: it is closed (KILLED) and the CLI exits 130."""
     data = tmp_path / "data"
     write_rows(data / "train" / "part-0.parquet", range(32))
     write_rows(data / "val" / "part-0.parquet", range(100, 104))
@@ -344,9 +344,9 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
 
 @pytest.mark.ray  # starts its own local Ray in the subprocess
 def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
-    """Ray Train's own SIGINT handler turned a Ctrl-C in fit() into sys.exit(0), and the
-    command ended with status 1 and no word. Now the controller is aborted, the run is
-    closed KILLED, and the CLI says "interrupted" and exits 130."""
+    """A Ctrl-C in fit() (where Ray Train's own SIGINT handler would sys.exit(0), ending
+    the command with status 1 and no word) aborts the controller, closes the run KILLED,
+    and the CLI says "interrupted" and exits 130."""
     data = tmp_path / "data"
     write_rows(data / "train" / "part-0.parquet", range(32))
     write_rows(data / "val" / "part-0.parquet", range(100, 104))

@@ -25,7 +25,7 @@ from test_train_e2e import _replay_plain_torch
 
 # 8 epochs of 45 steps, each at least STEP_S: the survivor is still training when the
 # replacement (a new Ray worker process: seconds) arrives, so the replacement heals from
-# it and joins. (Digits steps take milliseconds; a survivor that no longer stalls while
+# it and joins. (Digits steps take milliseconds; a survivor that does not stall while
 # taking over the dead replica's partitions would finish the run alone.)
 STEP_S = 0.05
 EPOCHS = 8

@@ -130,7 +130,7 @@ def test_planted_unknown_fields_are_refused(release):
 
 
 def test_a_field_of_a_newer_release_is_refused_by_the_older_one():
-    """What the old manifest got wrong: ``authOptions.secretName`` exists only from
+    """A field of one release only: ``authOptions.secretName`` exists only from
     KubeRay 1.6.0, so 1.5.1 refuses it while 1.6.0 accepts it."""
     doc = copy.deepcopy(ray_docs(MANIFESTS["RayCluster"])[0])
     doc["spec"]["authOptions"] = {"mode": "token", "secretName": "elastic-ddp-ray-token"}

@@ -250,7 +250,7 @@ def test_a_batch_spanning_two_windows_is_split_between_them(tmp_path):
 def test_default_partitions_fit_few_row_groups_so_reads_stay_within_the_bound(tmp_path):
     """Partition boundaries cut row groups, and a cut row group is read by both owners:
     with 60 partitions over 336 row groups each rank of 2 reads ~15% more than its share.
-    Unset, ``data.partitions`` is fitted to the row groups (12 here): within issue #11's
+    Unset, ``data.partitions`` is fitted to the row groups (12 here): within the
     bound of 1.1 x data / N + one window (here one row group)."""
     from elastic_ddp.data.ingest import epoch_partitions
 

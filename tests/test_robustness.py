@@ -130,7 +130,7 @@ def test_ray_train_gets_a_file_system_and_a_path_never_a_uri_to_parse(tmp_path, 
     ctx = StorageContext(rc.storage_path, rc.name, storage_filesystem=rc.storage_filesystem)
     assert (storage / "sweep #2").is_dir() and any((storage / "sweep #2").iterdir())
     assert ctx.experiment_fs_path == f"{storage}/sweep #2"
-    # What the old string hand-over did with such a path:
+    # What parsing such a path as a URI would do:
     with pytest.raises(Exception):
         pafs.FileSystem.from_uri("file://" + str(storage))
 
@@ -466,8 +466,8 @@ def test_run_names_ray_or_the_file_system_refuse_exit_2(tmp_path, capsys, name, 
 
 
 def test_a_storage_path_that_cannot_be_written_exits_2(tmp_path, capsys):
-    """A storage path under a regular file killed Ray Train's controller after the
-    MLflow run opened; now it is one exit-2 line, and nothing is created."""
+    """A storage path under a regular file (which would kill Ray Train's controller after
+    the MLflow run opened) is one exit-2 line, and nothing is created."""
     data = tmp_path / "data"
     write_rows(data / "train" / "part-0.parquet", range(32))
     write_rows(data / "val" / "part-0.parquet", range(100, 104))

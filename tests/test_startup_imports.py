@@ -1,5 +1,5 @@
 """What the driver's dry run and the Ray Train controller import: start-up cost that is
-on the path from the command to the first step (README "Recovery, measured").
+on the path from the command to the first step (docs/benchmarks.md, "Start-up").
 
 Each check runs in a fresh interpreter, since this one has imported everything. Fast
 tier: no Ray cluster starts.

@@ -81,7 +81,7 @@ def test_prepare_finds_the_checkout_from_the_config_not_the_cwd(tmp_path, monkey
 
 def test_cli_submit_from_another_directory_gets_to_the_cluster(tmp_path):
     """From /tmp-like directories the CLI validates, builds the job and only then fails
-    to reach a job API that is not there (exit 1, not the old exit 2 'runtime env
+    to reach a job API that is not there (exit 1, not exit 2 'runtime env
     cluster/runtime_env.yaml not found')."""
     out = _cli(str(CONFIG), "--address", "http://127.0.0.1:9", "--set", "train.epochs=1", cwd=tmp_path)
     assert out.returncode == 1, out.stderr

@@ -151,7 +151,7 @@ class ParallelConfig(Section):
     powersgd_rank: int = Field(
         8, ge=1, description=(
             "PowerSGD matrix approximation rank. 8: rank 2 cost +4% val loss on the gpt "
-            "preset and +19% or more on digits; rank 8 +0.8% and +2% (README tables)."))
+            "preset and +19% or more on digits; rank 8 +0.8% and +2% (docs/benchmarks.md)."))
     powersgd_start_iter: Optional[int] = Field(
         None, ge=1, description=(
             "PowerSGD: plain all-reduce for the first N optimizer steps. null: "

@@ -90,7 +90,7 @@ def powersgd_start_step(cfg: Config, total_steps: Optional[int] = None) -> int:
     Why 20%: PyTorch's ``PowerSGDState`` documentation advises starting the search at
     10% of the training steps and raising it until the accuracy is satisfactory (early
     training is the most sensitive to inexact gradients). On the digits preset (rank 8,
-    5 seeds, README) 10% cost +4.2% +- 2.1% val loss against ddp, 20% +2.0% +- 1.1%.
+    5 seeds, docs/benchmarks.md) 10% cost +4.2% +- 2.1% val loss against ddp, 20% +2.0% +- 1.1%.
     """
     p = cfg.parallel
     if p.powersgd_start_iter is not None:

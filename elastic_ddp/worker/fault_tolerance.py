@@ -10,8 +10,8 @@ partition ownership over the quorum (``data.order``), each replica's loss is
 over exactly those G samples whatever the quorum size; a step the quorum did not commit is
 redone on the same samples.
 
-The recipe, its settings and the three torchft/Ray pitfalls it avoids were measured in a
-spike (README, "Survivors keep training"):
+The settings and the three torchft/Ray pitfalls the recipe avoids (docs/design.md,
+"Per-step mode"):
 
 - torchft 0.2.0's ``DistributedDataParallel`` comm hook asserts after a failed all-reduce
   (the survivor died with its peer), so gradients go through one flat
@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
-# Lighthouse settings from the spike: the survivors' longest gap is the heartbeat timeout
+# Lighthouse settings: the survivors' longest gap is the heartbeat timeout
 # (5 s by default, 0.6-0.8 s at 500 ms); one live replica may form a quorum.
 LIGHTHOUSE = {"min_replicas": 1, "heartbeat_timeout_ms": 500}
 
