@@ -1,19 +1,17 @@
 """The scaling sweep's plots (matplotlib, PNG files logged to the parent MLflow run):
-where the time goes per world size, and quality against wall time."""
+where the time goes per world size, and quality against wall time. ``rows`` are
+:class:`elastic_ddp.driver.sweep.SweepRow` objects."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    from elastic_ddp.driver.sweep import SweepRow
+from typing import Any, Sequence
 
 # The parts of a step's time, bottom to top in the stacked bars (SweepRow.breakdown's keys).
 BREAKDOWN_PARTS = ("data_wait", "compute", "allreduce_exposed", "optimizer", "other")
 
 
-def plot_sweep(rows: Sequence[SweepRow], out_dir: Path, title: str = "") -> list[Path]:
+def plot_sweep(rows: Sequence[Any], out_dir: Path, title: str = "") -> list[Path]:
     """Write throughput.png, scaling_efficiency.png, step_breakdown.png into ``out_dir``."""
     import matplotlib
 
@@ -79,7 +77,7 @@ def plot_sweep(rows: Sequence[SweepRow], out_dir: Path, title: str = "") -> list
     return paths
 
 
-def plot_quality(rows: Sequence[SweepRow], curves: dict[int, list[tuple[float, float]]],
+def plot_quality(rows: Sequence[Any], curves: dict[int, list[tuple[float, float]]],
                  target: tuple[str, float], out_dir: Path) -> Path:
     """quality.png: the validation metric against seconds since each child's start (one
     line per world size), the target as a dashed line and each world size's time to
