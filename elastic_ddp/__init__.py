@@ -10,10 +10,11 @@ Bring your own model and data by subclassing :class:`Task` (see
 """
 
 from elastic_ddp.config import Config, ConfigError
+from elastic_ddp.run_state import Diagnostics
 from elastic_ddp.tasks.protocol import Column, Task, TransformContext, pad_sequences
 
 from elastic_ddp.version import __version__
-__all__ = ["Column", "Config", "ConfigError", "Task", "TransformContext", "pad_sequences",
+__all__ = ["Column", "Config", "ConfigError", "Diagnostics", "Task", "TransformContext", "pad_sequences",
            "train", "__version__"]
 
 

@@ -4,7 +4,7 @@
     report = audit("runs/ledger", all_ids=train_info.sample_ids, epochs=15)
     print(format_audit(report))
 
-:class:`LedgerWriter` (``train(cfg, ledger_dir=...)``) writes one file per
+:class:`LedgerWriter` (``train(cfg, diagnostics=Diagnostics(ledger_dir=...))``) writes one file per
 (attempt, rank), ``attempt-<t_ns>-<hex>-rank<r>.jsonl``: a header line
 ``{"header": true, "attempt", "rank", "world_size", "resumed_from", "t"}`` (``attempt`` is
 an id shared by the ranks of one worker group, ``t`` the wall-clock start in seconds),
@@ -78,7 +78,7 @@ def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
     files = sorted(d.glob("attempt-*-rank*.jsonl")) if d.is_dir() else []
     if not files:
         raise LedgerError(f"{d}: no attempt-*-rank*.jsonl ledger files; run train(cfg, "
-                          "ledger_dir=...) to write them")
+                          "diagnostics=Diagnostics(ledger_dir=...)) to write them")
     attempts: dict[str, Attempt] = {}
     for f in files:
         lines = f.read_text().splitlines()
@@ -128,7 +128,7 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
     """Check that each epoch consumed every sample id exactly once in committed steps.
 
     Args:
-        ledger_dir: the directory given to ``train(..., ledger_dir=...)``.
+        ledger_dir: the directory given to ``train(..., diagnostics=Diagnostics(ledger_dir=...))``.
         all_ids: the training set's sample ids (shape [N]).
         epochs: the number of epochs to audit (0..epochs-1) or an iterable of epochs.
         finished: the job ended with a final checkpoint (its last attempt is committed
@@ -322,7 +322,7 @@ def recomputed_after(attempts: list[Attempt], t: float) -> Optional[dict]:
 
 class LedgerWriter:
     """Record of the sample ids each rank trained on, one JSON line per step, one file
-    per (attempt, rank); audited by :func:`audit`. Off unless ``train(..., ledger_dir=...)``
+    per (attempt, rank); audited by :func:`audit`. Off unless ``train(..., diagnostics=Diagnostics(ledger_dir=...))``
     is set (costs a JSON line of ids per step).
 
     The header's ``attempt`` id is drawn by rank 0 and broadcast (one small gloo/NCCL

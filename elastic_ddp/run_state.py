@@ -47,13 +47,31 @@ class Counters:
     skipped_samples: int = 0
 
 
+@dataclass(frozen=True)
+class Diagnostics:
+    """What a test, a benchmark or a chaos run adds to a job; a production job needs none
+    of it (``train(cfg, diagnostics=Diagnostics(...))``).
+
+    Args:
+        ledger_dir: every rank writes the sample ids of each committed step there (one
+            JSON line per step and rank), for :func:`elastic_ddp.ledger.audit`.
+        fault: fault injection in the real worker processes
+            (:class:`elastic_ddp.worker.faults.Fault`): a rank SIGKILLs itself, dies inside
+            a checkpoint write, or raises, at a chosen step.
+    """
+
+    ledger_dir: Optional[str] = None
+    fault: Optional[dict] = None
+
+
 @dataclass
 class JobSpec:
     """What the driver hands every worker (``train_loop_config``): small and picklable.
 
     ``sample``: ``{"train": row, "val": row}``, one transformed row of each split from
     the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
-    rank whose share is empty. ``ledger_dir`` and ``fault`` are test hooks.
+    rank whose share is empty. ``diagnostics``: what a test or an experiment adds
+    (:class:`Diagnostics`).
     """
 
     config: dict
@@ -64,5 +82,12 @@ class JobSpec:
     t0: float
     sample: dict
     storage: str = ""
-    ledger_dir: Optional[str] = None
-    fault: Optional[dict] = None
+    diagnostics: Diagnostics = field(default_factory=lambda: Diagnostics())
+
+    @property
+    def ledger_dir(self) -> Optional[str]:
+        return self.diagnostics.ledger_dir
+
+    @property
+    def fault(self) -> Optional[dict]:
+        return self.diagnostics.fault

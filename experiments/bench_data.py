@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from elastic_ddp.run_state import Diagnostics
 
 ROW_BYTES = 129
 ROWS_PER_FILE = 1 << 20
@@ -98,8 +99,7 @@ def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
 
     cfg = _config(data, tmp, f"elastic-{data.name}", steps)
     t0 = time.time()
-    s = train(cfg, progress=False, ledger_dir=str(tmp / "ledger"),
-              fault={"rank": 1, "at_step": kill_at, "where": "step", "marker": str(tmp / "fired")})
+    s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(tmp / "ledger"), fault={"rank": 1, "at_step": kill_at, "where": "step", "marker": str(tmp / "fired")}))
     uri, rid = cfg.run.tracking_uri, s.run_id
     hist = {k: metric_history(uri, rid, metric_key(k))
             for k in ("peak_mem_mib_max", "samples_per_s", "data_wait_frac")}

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from elastic_ddp.run_state import Diagnostics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "experiments/configs/bench_gpt.yaml"
@@ -153,7 +154,7 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     t0 = time.time()
     th.start()
     try:
-        s = train(cfg, progress=False, ledger_dir=str(tmp / "ledger"))
+        s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(tmp / "ledger")))
     finally:
         stop.set()
     wall = time.time() - t0

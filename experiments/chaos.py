@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from elastic_ddp.run_state import Diagnostics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run_training():
             try:
-                result["summary"] = train(cfg, ledger_dir=str(ledger), progress=False)
+                result["summary"] = train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger)), progress=False)
             except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
                 result["error"] = e
             finally:

@@ -24,6 +24,7 @@ from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.tracking import metric_history
+from elastic_ddp.run_state import Diagnostics
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +87,7 @@ def test_data_larger_than_a_workers_memory_with_a_worker_killed(ray_cluster, tmp
 
     cfg = _cfg(big, tmp_path, "big", 150_000)
     steps = math.ceil(150_000 / 1024)
-    s = train(cfg, progress=False, ledger_dir=str(tmp_path / "ledger"),
-              fault={"rank": 1, "at_step": steps // 2, "where": "step", "marker": str(tmp_path / "fired")})
+    s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 1, "at_step": steps // 2, "where": "step", "marker": str(tmp_path / "fired")}))
     peak = max(v for _, v in metric_history(s.tracking_uri, s.run_id, "worker/peak_mem_mib_max"))
     print(f"\n[data scale] peak RSS per worker: tiny set {base:.0f} MiB, 600 MiB set {peak:.0f} MiB; "
           f"recovery {s.events[0].get('recovery_s') if s.events else None} s")

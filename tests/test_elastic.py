@@ -35,6 +35,7 @@ from conftest import _deep_update, digits_config, mlflow_runs
 from elastic_ddp.checkpoint import CheckpointError, load_state
 from elastic_ddp.driver.launcher import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit, read_attempts
+from elastic_ddp.run_state import Diagnostics
 
 EPOCHS = 3
 CKPT_EVERY = 5
@@ -167,7 +168,7 @@ def baseline(cluster, data, tmp_path_factory):
     fixed at 2, no faults."""
     tmp = tmp_path_factory.mktemp("baseline")
     t = time.time()
-    s = train(_job(data, tmp, "baseline"), ledger_dir=str(tmp / "ledger"), progress=False)
+    s = train(_job(data, tmp, "baseline"), diagnostics=Diagnostics(ledger_dir=str(tmp / "ledger")), progress=False)
     FIGURES["baseline_s"] = round(time.time() - t, 1)
     FIGURES["baseline_val_loss"] = s.metrics["val_loss"]
     _assert_ledger_clean(tmp / "ledger", data)
@@ -187,9 +188,8 @@ def test_kill_worker_mid_step(cluster, data, baseline, tmp_path):
     """(b) rank 1 SIGKILLs itself before step 12 (rank 0 is blocked in that step's
     all-reduce): one restart from the step-10 checkpoint, nothing lost or repeated."""
     marker = tmp_path / "fired"
-    s = train(_job(data, tmp_path, "kill-step"), ledger_dir=str(tmp_path / "ledger"),
-              progress=False,
-              fault={"rank": 1, "at_step": 12, "where": "step", "marker": str(marker)})
+    s = train(_job(data, tmp_path, "kill-step"), diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 1, "at_step": 12, "where": "step", "marker": str(marker)}),
+              progress=False)
     assert marker.exists()
     report = _assert_ledger_clean(tmp_path / "ledger", data)
     assert s.restarts == 1 and s.steps == 23 * EPOCHS
@@ -228,10 +228,9 @@ def test_kill_during_checkpoint_write(cluster, data, baseline, tmp_path):
     ``state.pt.tmp`` on disk: the restart resumes from the step-10 checkpoint (the torn
     one never became the latest), the job finishes, and only whole checkpoints are kept."""
     marker = tmp_path / "fired"
-    s = train(_job(data, tmp_path, "kill-ckpt"), ledger_dir=str(tmp_path / "ledger"),
-              progress=False,
-              fault={"rank": 0, "at_step": 15, "where": "checkpoint_write",
-                     "marker": str(marker)})
+    s = train(_job(data, tmp_path, "kill-ckpt"), diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 0, "at_step": 15, "where": "checkpoint_write",
+                     "marker": str(marker)}),
+              progress=False)
     fired = json.loads(marker.read_text())
     report = _assert_ledger_clean(tmp_path / "ledger", data)
     assert s.restarts == 1 and s.steps == 23 * EPOCHS
@@ -273,9 +272,8 @@ def test_deterministic_error_fails_fast(cluster, data, tmp_path):
 
     cfg = _job(data, tmp_path, "det-error")
     with pytest.raises(TrainingError) as ei:
-        train(cfg, ledger_dir=str(tmp_path / "ledger"), progress=False,
-              fault={"rank": 1, "at_step": 7, "where": "error",
-                     "marker": str(tmp_path / "fired")})
+        train(cfg, diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 1, "at_step": 7, "where": "error",
+                     "marker": str(tmp_path / "fired")}), progress=False)
     msg = str(ei.value)
     assert "injected deterministic error at step 7" in msg, msg
     attempts = read_attempts(tmp_path / "ledger")
@@ -309,7 +307,7 @@ def test_elastic_shrink_and_grow(cluster, data, baseline, tmp_path):
 
     def run():
         try:
-            result["summary"] = train(cfg, ledger_dir=str(ledger), progress=False)
+            result["summary"] = train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger)), progress=False)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             result["error"] = e
 

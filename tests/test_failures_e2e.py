@@ -47,6 +47,7 @@ from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit
 from test_robustness import hold_sqlite_lock, mixed_dataset, small_config, write_rows
+from elastic_ddp.run_state import Diagnostics
 
 
 def _client(tmp: Path):
@@ -85,8 +86,7 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
         "run": {"name": "sweep #2", "storage_path": str(storage)}})
     ledger = tmp_path / "ledger"
     marker = tmp_path / "fired"
-    s = train(Config.from_dict(raw), ledger_dir=str(ledger), progress=False,
-              fault={"rank": 1, "at_step": 3, "where": "step", "marker": str(marker)})
+    s = train(Config.from_dict(raw), diagnostics=Diagnostics(ledger_dir=str(ledger), fault={"rank": 1, "at_step": 3, "where": "step", "marker": str(marker)}), progress=False)
     assert marker.exists() and s.steps == 10, s
 
     # 1. Checkpoints went to the directory named, and the restart resumed from them.
@@ -203,7 +203,7 @@ def test_a_rank_killed_at_the_same_step_every_attempt_stops_after_two(ray_cluste
     marker = tmp_path / "fired"
     with pytest.raises(TrainingError) as e:
         train(Config.from_dict(raw), progress=False,
-              fault={"rank": 1, "at_step": 3, "where": "kill_always", "marker": str(marker)})
+              diagnostics=Diagnostics(fault={"rank": 1, "at_step": 3, "where": "kill_always", "marker": str(marker)}))
     msg = str(e.value)
     print(msg)
     assert len(marker.read_text().splitlines()) == 2, marker.read_text()
@@ -267,7 +267,7 @@ def test_inf_steps_stop_then_a_resume_on_changed_data_is_refused_or_restarts_the
     raw["data"]["on_change"] = "restart_epoch"
     raw["train"]["checkpoint_every_steps"] = 100
     ledger = tmp_path / "ledger"
-    s = train(Config.from_dict(raw), ledger_dir=str(ledger), progress=False)
+    s = train(Config.from_dict(raw), diagnostics=Diagnostics(ledger_dir=str(ledger)), progress=False)
     report = audit(ledger, range(24), 2)
     print(format_audit(report))
     assert report["ok"] and [a["resumed_from"] for a in report["attempts"]] == [3]
@@ -439,7 +439,7 @@ def test_a_resume_on_renumbered_ids_is_refused(ray_cluster, tmp_path, capsys):
         "run": {"name": "renumbered"}})
     with pytest.raises(TrainingError):
         train(Config.from_dict(raw), progress=False,
-              fault={"rank": 0, "at_step": 4, "where": "error", "marker": str(tmp_path / "m")})
+              diagnostics=Diagnostics(fault={"rank": 0, "at_step": 4, "where": "error", "marker": str(tmp_path / "m")}))
     write_rows(part, range(100, 116))
     rc, out, err = _cli(tmp_path, raw, capsys)
     assert rc == 1 and "DataChangedError" in err and "data.on_change=restart_epoch" in err, err

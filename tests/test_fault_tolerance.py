@@ -22,6 +22,7 @@ from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from test_train_e2e import _replay_plain_torch
+from elastic_ddp.run_state import Diagnostics
 
 # 8 epochs of 45 steps, each at least STEP_S: the survivor is still training when the
 # replacement (a new Ray worker process: seconds) arrives, so the replacement heals from
@@ -48,9 +49,8 @@ def test_a_replica_killed_mid_epoch_is_replaced_alone_and_the_run_stays_exact(
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, JOB))
     ledger = tmp_path / "ledger"
     steps = math.ceil(len(read_sample_ids(digits_data / "train")) / 32) * EPOCHS
-    s = train(cfg, progress=False, ledger_dir=str(ledger),
-              fault={"rank": 0, "at_step": 6, "where": "step", "marker": str(tmp_path / "fired"),
-                     "step_s": STEP_S})
+    s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger), fault={"rank": 0, "at_step": 6, "where": "step", "marker": str(tmp_path / "fired"),
+                     "step_s": STEP_S}))
     assert (tmp_path / "fired").exists() and s.steps == steps
 
     report = audit(ledger, read_sample_ids(digits_data / "train"), EPOCHS)

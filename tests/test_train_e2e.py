@@ -29,6 +29,7 @@ from conftest import digits_config, global_order_ids, mlflow_runs, pycode_config
 from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.tasks.loading import build_model, load_task
+from elastic_ddp.run_state import Diagnostics
 
 # The digits job for these tests: the preset's width (hidden 64), half its global batch
 # (45 steps an epoch) and a 20-step warm-up reach a good accuracy in 3 epochs. Replayed in
@@ -353,14 +354,13 @@ def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_clus
     base = {**RESIZE, "parallel": {"strategy": strategy}, "run": {"name": f"resize-{strategy}"}}
     first = Config.from_dict(digits_config(digits_data, tmp_path, {**base, **_ws(2)}))
     with pytest.raises(TrainingError, match="injected deterministic error"):
-        train(first, ledger_dir=ledger, progress=False,
-              fault={"rank": 0, "at_step": STOP_AT, "where": "error",
-                     "marker": str(tmp_path / "fired")})
+        train(first, diagnostics=Diagnostics(ledger_dir=ledger, fault={"rank": 0, "at_step": STOP_AT, "where": "error",
+                     "marker": str(tmp_path / "fired")}), progress=False)
     (stopped,) = mlflow_runs(tmp_path)
     assert stopped.info.status == "FAILED"
 
     again = Config.from_dict(digits_config(digits_data, tmp_path, {**base, **_ws(resume_ws)}))
-    s = train(again, ledger_dir=ledger, progress=False)
+    s = train(again, diagnostics=Diagnostics(ledger_dir=ledger), progress=False)
 
     # Same MLflow run, now finished; the second job's only attempt ran at the new size
     # from the newest checkpoint the first job wrote.

@@ -18,6 +18,7 @@ from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from test_task_protocol import user_config, write_task
+from elastic_ddp.run_state import Diagnostics
 
 pytestmark = pytest.mark.ray
 
@@ -50,8 +51,7 @@ def test_user_task_cli_and_api_with_a_worker_killed(ray_cluster, digits_data, tm
     raw["run"]["name"] = "user-api"
     cfg = Config.from_dict(raw)
     ledger = tmp_path / "ledger"
-    s = train(cfg, task=mod.Digits(), ledger_dir=str(ledger), progress=False,
-              fault={"rank": 1, "at_step": 25, "where": "step", "marker": str(tmp_path / "fired")})
+    s = train(cfg, task=mod.Digits(), diagnostics=Diagnostics(ledger_dir=str(ledger), fault={"rank": 1, "at_step": 25, "where": "step", "marker": str(tmp_path / "fired")}), progress=False)
     assert (tmp_path / "fired").exists() and s.restarts == 1 and s.steps == steps
     report = audit(ledger, read_sample_ids(digits_data / "train"), 2)
     print(format_audit(report))

@@ -26,6 +26,7 @@ from elastic_ddp.driver.finish import finish_job as _finish
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                    prepare, process_start_time)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
+from elastic_ddp.run_state import Diagnostics
 
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
 
@@ -196,21 +197,19 @@ def build_trainer(cfg: Config, job, tracker):
 
 
 
-def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bool = True,
-          fault: Optional[dict] = None, parent_run_id: Optional[str] = None,
+def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional[str] = None,
           command_start: Optional[float] = None,
-          on_validated: Optional[Callable[[Config], None]] = None) -> Summary:
+          on_validated: Optional[Callable[[Config], None]] = None,
+          diagnostics: Optional[Diagnostics] = None) -> Summary:
     """Run one training job to the end and return its ``Summary``.
 
     ``task``: an ``elastic_ddp.Task`` object (default: ``task.path`` / ``model.name``).
-    ``ledger_dir``: write the per-step sample-id ledger there (``elastic_ddp.ledger``
-    audits it). ``fault``: TEST HOOK, a worker kills itself or raises at a chosen step
-    (``elastic_ddp.worker.faults``); never set it in a real job. ``parent_run_id``: open the
-    MLflow run as a child of this run (``elastic_ddp.driver.sweep``). ``command_start``: when the
+    ``parent_run_id``: open the MLflow run as a child of this run (``elastic_ddp.driver.sweep``). ``command_start``: when the
     command started (seconds since the epoch), so the command-to-first-step profile
     includes interpreter start and imports. ``on_validated(cfg)``: called once every
     input check passed, before MLflow starts, and before Ray starts unless the job joins
-    a running cluster (the CLI prints the config there).
+    a running cluster (the CLI prints the config there). ``diagnostics``: the sample
+    ledger and fault injection of tests and experiments (:class:`~elastic_ddp.run_state.Diagnostics`).
 
     Raises:
         TaskError: the task cannot run (import path, hooks, kwargs, loss shape).
@@ -220,6 +219,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
     """
     # First, before torch: the MLflow helper imports MLflow on another core while this
     # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).
+    diagnostics = diagnostics or Diagnostics()
     uri = tracking.default_tracking_uri(cfg)
     opener = RunOpener(uri)
     host = tracker = None
@@ -282,7 +282,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
               f"{len(train_info.files)} files; {total} steps", flush=True)
         job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info,
                       val=val_info, tracker=tracker, t0=t0, sample=sample, storage=storage,
-                      ledger_dir=ledger_dir, fault=fault)
+                      diagnostics=diagnostics)
         trainer = build_trainer(cfg, job, tracker)
         trainer.controller_host = host
         marks["fit_called"] = time.time()
@@ -296,7 +296,7 @@ def train(cfg: Config, task=None, ledger_dir: Optional[str] = None, progress: bo
             _after_failed_fit(tracker)
             raise
         opener.finish()  # the system metrics end with the training
-        return _finish(cfg, uri, run_id, tracker, result, t0, ledger_dir, marks, task, sample,
+        return _finish(cfg, uri, run_id, tracker, result, t0, diagnostics.ledger_dir, marks, task, sample,
                        train_info.num_rows, storage)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.controller.failures import describe_training_error

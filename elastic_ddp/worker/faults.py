@@ -1,6 +1,6 @@
 """TEST HOOKS: faults injected into real worker processes (a rank SIGKILLs itself, dies
 inside a checkpoint write, or raises a deterministic error), so that the elastic tests
-and experiments exercise real failures. Set only through ``train(..., fault=...)``; a
+and experiments exercise real failures. Set only through ``train(..., diagnostics=Diagnostics(fault=...))``; a
 job without it pays one ``None`` check per step.
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 class Fault:
     """TEST HOOK: fault injection in real processes (``job["fault"]``, set only by
-    ``launcher.train(..., fault=...)``; None makes every method a no-op).
+    ``train(..., diagnostics=Diagnostics(fault=...))``; None makes every method a no-op).
 
     ``{"rank": r, "at_step": k, "where": "step" | "kill_always" | "checkpoint_write" |
     "error", "marker": "/path/fired"}``:
