@@ -24,7 +24,8 @@ from elastic_ddp.background import Background
 from elastic_ddp.config import Config
 from elastic_ddp.driver.finish import finish_job as _finish
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
-                                   prepare, process_start_time)
+                                          check_tracking_store, prepare, process_start_time,
+                                          tracking_uri_field)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
 from elastic_ddp.run_state import Diagnostics
 
@@ -229,6 +230,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
 
         t0 = time.time()
         marks = {"process_start": command_start or t0, "train_called": t0}
+        check_tracking_store(uri, tracking_uri_field(cfg))  # seconds, not MLflow's minutes
         # On a running cluster, connect before the checks: the Ray Train controller's
         # process and the tracker's boot while this one scans (ray_trainer.ControllerHost).
         # A local Ray is still started only for a job whose input passed.

@@ -1,5 +1,6 @@
 """What the driver checks before Ray or MLflow starts (every input error surfaces here,
-exit 2): the task and its dry run, both splits' footers, storage, ``RAY_ADDRESS``."""
+exit 2): the task and its dry run, both splits' footers, storage, ``RAY_ADDRESS``, the
+tracking store's address."""
 
 from __future__ import annotations
 
@@ -41,6 +42,53 @@ def check_ray_address() -> None:
             f"RAY_ADDRESS={addr}: nothing answers at {host}:{port} ({e.strerror or e}); start "
             "the cluster first (ray start --head, or cluster/local_cluster.py start), point "
             "RAY_ADDRESS at its GCS address, or unset RAY_ADDRESS to train on a local Ray") from None
+
+
+# A tracking server's scheme -> its default port, for the reachability check.
+_STORE_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
+STORE_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_tracking_store(uri: str, field: str = "run.tracking_uri") -> None:
+    """Refuse a tracking server nothing answers at, before Ray starts: MLflow's client
+    would retry each request for minutes (and the job's own retries on top of that)
+    before failing with a traceback. One TCP connection, at most
+    :data:`STORE_CONNECT_TIMEOUT_S` seconds; a local store (``sqlite:``, ``file:``, a
+    path) is not checked here. ``field``: where the URI came from, for the message.
+
+    Raises:
+        ConfigError: ``http(s)://``, ``postgresql://``, ``mysql://`` or ``mssql://``
+            host:port refuses or does not answer a TCP connection in time.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    from elastic_ddp.config import ConfigError
+
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme not in _STORE_PORTS:
+        return
+    try:
+        parts = urlsplit(uri)
+        host, port = parts.hostname, parts.port or _STORE_PORTS[scheme]
+    except ValueError as e:
+        raise ConfigError(f"{field}={uri!r}: {e}") from None
+    if not host:
+        return
+    try:
+        socket.create_connection((host, port), timeout=STORE_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        why = "no answer" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+        raise ConfigError(
+            f"{field}={uri}: the MLflow tracking store does not answer at {host}:{port} "
+            f"({why} within {STORE_CONNECT_TIMEOUT_S:.0f} s); start it (mlflow server --host "
+            f"{host} --port {port}), point {field} at a running one, or leave run.tracking_uri "
+            "and MLFLOW_TRACKING_URI unset for a local sqlite store (mlflow.db)") from None
+
+
+def tracking_uri_field(cfg: Config) -> str:
+    """Where the job's tracking URI comes from: the config field or the variable."""
+    return "run.tracking_uri" if cfg.run.tracking_uri else "MLFLOW_TRACKING_URI"
 
 
 def prepare(cfg: Config, task=None):

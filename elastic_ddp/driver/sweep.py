@@ -240,7 +240,8 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     parent and return them.
 
     Raises:
-        ConfigError: a world size the batch settings cannot carry (before anything runs).
+        ConfigError: a world size the batch settings cannot carry, or a tracking server
+            that does not answer (before anything runs).
         TrainingError: a child run failed; the parent run is closed as FAILED.
     """
     import ray
@@ -252,6 +253,9 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     tag = time.strftime("%Y%m%d-%H%M%S")
     children_cfg = {ws: child_config(cfg, ws, tag) for ws in sizes}   # validate all first
     uri = tracking.default_tracking_uri(cfg)
+    from elastic_ddp.driver.preflight import check_tracking_store, tracking_uri_field
+
+    check_tracking_store(uri, tracking_uri_field(cfg))  # before the parent run is opened
     # Few params: what the sweep compares and on what. The children carry the whole
     # config as params (and the parent has it as sweep/config.json); the MLflow UI prints
     # a run's params above each of its image charts, where fifty would hide the plots.
