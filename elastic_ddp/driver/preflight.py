@@ -92,7 +92,8 @@ def tracking_uri_field(cfg: Config) -> str:
 
 
 def prepare(cfg: Config, task=None):
-    """Everything that can be checked before Ray or MLflow starts: the task, both
+    """Everything that can be checked before Ray or MLflow starts: the task (and that
+    every job input pickles: ``tasks.pickling``), both
     splits' footers against the task's columns, and a dry run of the task on two rows.
     Returns (task, train_info, val_info, sample).
 
@@ -101,9 +102,11 @@ def prepare(cfg: Config, task=None):
     """
     from elastic_ddp.data.ingest import epoch_order
     from elastic_ddp.data.scan import DataError, scan_parquet
-    from elastic_ddp.tasks.loading import load_task, preflight
+    from elastic_ddp.tasks.loading import load_task, model_factory, preflight
+    from elastic_ddp.tasks.pickling import check_picklable
 
     task = load_task(cfg, task)
+    check_picklable(cfg, task, model_factory(cfg, task))
     cols = task.input_columns()
     d = cfg.data
     train_info = scan_parquet(d.train_path, cols, d.id_column)
