@@ -216,11 +216,13 @@ def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, d
     """
     import numpy as np
 
+    from elastic_ddp.tasks.dtypes import passed_through
     from elastic_ddp.tasks.transform import SEQ, TaskTransform
 
-    out, train_rows = {}, None
+    out, train_rows, sources = {}, None, {}
     for split, info in (("train", train_info), ("val", val_info or train_info)):
         batch = sample_rows(info)
+        raw = {k: v for k, v in batch.items() if k in task.input_columns()}
         batch[SEQ] = np.zeros(len(batch[info.id_column]), np.int64)
         try:
             rows = TaskTransform(task, cfg.seed, 0, split, info.id_column)(batch)
@@ -229,13 +231,14 @@ def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, d
                             f"{info.files[0]} ({split}): {type(e).__name__}: {e}") from e
         rows.pop(SEQ)
         out[split] = {k: v[:1] for k, v in rows.items()}
-        train_rows = rows if train_rows is None else train_rows
+        if train_rows is None:
+            train_rows, sources = rows, passed_through(raw, rows)
     try:
         tensors = task.collate(train_rows)
     except Exception as e:  # noqa: BLE001
         raise TaskError(f"{type(task).__name__}.collate failed on transformed rows: "
                         f"{type(e).__name__}: {e}") from e
-    _check_loss(cfg, task, tensors, len(train_rows[train_info.id_column]))
+    _check_loss(cfg, task, tensors, len(train_rows[train_info.id_column]), sources)
     return out
 
 
@@ -271,17 +274,22 @@ def count_params(cfg: Config, task: Task) -> Optional[int]:
         return None
 
 
-def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
+def _check_loss(cfg: Config, task: Task, tensors: dict, n: int,
+                sources: Optional[dict] = None) -> None:
     import torch
 
-    from elastic_ddp.tasks.protocol import split_loss
+    from elastic_ddp.tasks.dtypes import dtype_hint
+    from elastic_ddp.tasks.protocol import model_inputs, parameter_dtype, split_loss
+
+    dtype = [None]
 
     def run(device: str) -> None:
         with torch.device(device):
             torch.manual_seed(cfg.seed)
             model = build_model(cfg, task)
-        moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in tensors.items()}
-        _, extra = split_loss(task.loss(model, moved), n)
+        dtype[0] = parameter_dtype(model)
+        # As the trainer does: floating inputs in the model's parameter dtype.
+        _, extra = split_loss(task.loss(model, model_inputs(tensors, device, dtype[0])), n)
         check_metric_names(task, extra)
 
     n_params = count_params(cfg, task)
@@ -311,8 +319,9 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int) -> None:
         raise TaskError(f"{type(task).__name__}.loss failed on two rows of the data: "
                         f"ValueError: {e}") from e
     except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [""])[0]
         raise TaskError(f"{type(task).__name__}.loss failed on two rows of the data: "
-                        f"{type(e).__name__}: {e}") from e
+                        f"{type(e).__name__}: {first}{dtype_hint(e, tensors, dtype[0], sources or {})}") from e
 
 
 # MLflow's rule for metric names (mlflow.utils.validation.validate_param_and_metric_name and

@@ -32,7 +32,10 @@ Data flow of one sample, with shapes (B = rows in a batch):
    tokenize, augment. It must return one output row per input row, in the same order
    (the trainer accounts for every sample by position); its randomness must come from
    ``ctx`` so that a restart or a resize reproduces it exactly.
-3. :meth:`Task.collate` (in the training process, per micro-batch): numpy -> tensors.
+3. :meth:`Task.collate` (in the training process, per micro-batch): numpy -> tensors;
+   the default turns integer arrays of any width into int64. The trainer then casts
+   every floating tensor to the model's parameter dtype (float64 from NumPy meets
+   float32 weights: :func:`model_inputs`), whichever collate made it.
 4. :meth:`Task.loss` returns the per-sample loss ``[B]``: the trainer weights it so that
    the optimizer step sees the exact mean over the global batch at any world size.
 """
@@ -159,7 +162,8 @@ class Task:
 
     def collate(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         """One micro-batch of transformed rows -> tensors (CPU; the trainer moves tensors
-        to the device). Default: :func:`default_collate`."""
+        to the device and casts floating ones to the model's parameter dtype,
+        :func:`model_inputs`). Default: :func:`default_collate` (integers -> int64)."""
         return default_collate(batch)
 
     # -- model -----------------------------------------------------------------------
@@ -194,7 +198,12 @@ class Task:
 
 def default_collate(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """Numeric arrays -> tensors (``torch.from_numpy``, zero-copy where writable).
-    Object arrays of equal-shape arrays are stacked first.
+    Object arrays of equal-shape arrays are stacked first. Integer arrays of any width
+    (int8..int32, uint16..uint64: what a Parquet writer chose for labels or token ids)
+    become int64, the type PyTorch's losses and embeddings take for class indices, except
+    ``uint8`` arrays of 3 or more dimensions (images), kept as they are. Floating arrays
+    keep their dtype here; the trainer casts them to the model's parameter dtype
+    (:func:`model_inputs`).
 
     Raises:
         TypeError: a column holds variable-length values or non-numeric data (bytes,
@@ -218,7 +227,34 @@ def default_collate(batch: dict[str, np.ndarray]) -> dict[str, Any]:
         if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
             raise TypeError(f"column {name!r} has dtype {arr.dtype}; convert it to numbers in "
                             "Task.transform or override Task.collate")
+        if np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.int64 \
+                and not (arr.dtype == np.uint8 and arr.ndim >= 3):
+            arr = arr.astype(np.int64)
         out[name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    return out
+
+
+def parameter_dtype(model) -> Any:
+    """The one floating dtype of ``model``'s parameters (``torch.float32`` for most
+    models), or None when it has none or several (then inputs are not cast)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def model_inputs(tensors: dict[str, Any], device, dtype=None) -> dict[str, Any]:
+    """What :meth:`Task.loss` receives: the collated tensors on ``device``, floating ones
+    cast to ``dtype`` (the model's parameter dtype, :func:`parameter_dtype`), so a
+    transform's float64 output (NumPy's default) meets float32 weights. Integer and
+    bool tensors keep their dtype; anything else passes through."""
+    import torch
+
+    out = {}
+    for k, v in tensors.items():
+        if torch.is_tensor(v):
+            cast = dtype if dtype is not None and v.is_floating_point() and v.dtype != dtype else None
+            if cast is not None or v.device != torch.device(device):
+                v = v.to(device=device, dtype=cast, non_blocking=True)
+        out[k] = v
     return out
 
 

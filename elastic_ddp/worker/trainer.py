@@ -35,7 +35,7 @@ from elastic_ddp.ledger import LedgerWriter
 from elastic_ddp.metrics import StepWindow, gradient_bytes
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model
-from elastic_ddp.tasks.protocol import split_loss
+from elastic_ddp.tasks.protocol import model_inputs, parameter_dtype, split_loss
 from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
                                    Progress, StepError)
 from elastic_ddp.tracking import TrackerClient
@@ -62,6 +62,9 @@ class Trainer:
         # broadcasts rank 0's at wrap time; FSDP shards what each rank built).
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, self.task).to(device)
+        # Floating inputs are cast to it (tasks.protocol.model_inputs), before any
+        # strategy wraps or shards the parameters.
+        self.input_dtype = parameter_dtype(model)
         # Ranks of the torch.distributed group the strategy and the metric reductions use:
         # every worker (restart mode), or this replica alone (per-step fault tolerance).
         self.comm_size = world_size if self.shares_process_group else 1
@@ -445,10 +448,7 @@ class Trainer:
                 if isinstance(m, BatchNormBase) for b in m.buffers()]
 
     def _to_device(self, tensors: dict) -> dict:
-        if self.device.type == "cpu":
-            return tensors
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
-                for k, v in tensors.items()}
+        return model_inputs(tensors, self.device, self.input_dtype)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.train.log_every_steps == 0
