@@ -142,9 +142,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _sweep(cfg, args)
         return _train(cfg, args)
     except ConfigError as e:
+        from elastic_ddp.driver.lease import RunBusyError
         from elastic_ddp.tasks.loading import TaskError
 
-        kind = "task error" if isinstance(e, TaskError) else "config error"
+        kind = ("task error" if isinstance(e, TaskError) else
+                "run in use" if isinstance(e, RunBusyError) else "config error")
         print(f"elastic-ddp: {kind}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

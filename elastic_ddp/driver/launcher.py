@@ -23,6 +23,7 @@ from elastic_ddp import tracking
 from elastic_ddp.background import Background
 from elastic_ddp.config import Config
 from elastic_ddp.driver.finish import finish_job as _finish
+from elastic_ddp.driver.lease import RunLease
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                           check_tracking_store, prepare, process_start_time,
                                           tracking_uri_field)
@@ -213,7 +214,9 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     ledger and fault injection of tests and experiments (:class:`~elastic_ddp.run_state.Diagnostics`).
 
     Raises:
-        TaskError: the task cannot run (import path, hooks, kwargs, loss shape).
+        TaskError: the task cannot run (import path, hooks, kwargs, loss shape, inputs
+            that cannot be pickled).
+        RunBusyError: another live job holds this run (``elastic_ddp.driver.lease``).
         DataError: the Parquet data fails the scan (nothing is left running, no run).
         TrainingError: training failed beyond its restart budget or deterministically;
             the MLflow run is closed as FAILED.
@@ -245,10 +248,14 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         if not early:
             check_ray_address()
         params = tracking.task_params(cfg, task)
+        # One live job per run: taken before the MLflow run is opened or resumed.
+        lease = RunLease(_storage_path(cfg), cfg.run.name).acquire()
     except BaseException:
         opener.cancel()  # no run is opened for a job that fails its checks
         _kill(host, tracker)
         raise
+    if lease.describe_takeover():
+        print(lease.describe_takeover(), flush=True)
     marks["scanned"] = time.time()
     storage = _storage_path(cfg)
     opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
@@ -263,16 +270,19 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         side.result()
         opened = opener.result()
     except BaseException as e:
-        _kill(host, tracker)
-        # The run may be open by now (opened beside ray.init): close it, then re-raise.
-        # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
         try:
-            run_id = opener.result()["run_id"]
-        except BaseException:  # noqa: BLE001 - the open failed too: no run is left open
-            raise e from None
-        _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
-                      "FAILED" if isinstance(e, Exception) else "KILLED", opener)
-        raise
+            _kill(host, tracker)
+            # The run may be open by now (opened beside ray.init): close it, then re-raise.
+            # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
+            try:
+                run_id = opener.result()["run_id"]
+            except BaseException:  # noqa: BLE001 - the open failed too: no run is left open
+                raise e from None
+            _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
+                          "FAILED" if isinstance(e, Exception) else "KILLED", opener)
+            raise
+        finally:
+            lease.release()
     run_id, resumed, cfg = opened["run_id"], opened["resumed"], opened["cfg"]
     try:
         tracker.bind.remote(run_id, **opened["attempts"])
@@ -314,6 +324,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     finally:
         opener.finish()
         _kill(host, tracker)
+        lease.release()
 
 
 def _after_failed_fit(tracker) -> None:

@@ -24,6 +24,9 @@ def open_run(cfg: Config, storage_path: str, uri: str, parent_run_id: Optional[s
     Returns:
         (run_id, resumed): resumed is True when an earlier submission's run was reopened.
     """
+    from elastic_ddp.tracking.store_init import create_store_once
+
+    create_store_once(uri)  # two jobs starting together on a fresh sqlite file
     c = client(uri)
     exp_id = experiment_id(uri, cfg.run.experiment_name)
     key = run_key(cfg, storage_path)

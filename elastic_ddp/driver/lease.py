@@ -1,0 +1,227 @@
+"""One live job per run: a lease on the run, held while the job's driver lives.
+
+A run is ``run.name`` in ``run.storage_path`` (its Ray Train directory and, through the
+run key, its MLflow run). A second job of the same run would resume the first one's
+*live* MLflow run and train beside it into the same checkpoints, so the driver takes
+the lease before the MLflow run is opened and refuses a run whose lease is held
+(:class:`RunBusyError`, exit 2), naming the holder. The lease is a small JSON record at
+``<storage>/.leases/<run.name>.json``: host, pid, process start time, since, and a
+heartbeat time the holder rewrites every :data:`HEARTBEAT_S` seconds from a daemon
+thread. A lease whose holder is gone is taken over by the next job of that run (a
+resume): on the holder's host, when its process no longer exists (at once); anywhere,
+when its heartbeat is older than :data:`STALE_S` seconds.
+
+On a local file system the lease is created with ``link(2)`` of a complete record
+(atomic; it fails when the lease exists), so two jobs started together cannot both get
+it. Object stores (``s3://``, ``gs://``) have no exclusive create through pyarrow: there
+the record is written, read back after a moment, and the job that does not read its
+own record back is refused; a race inside that moment is not excluded.
+What it costs: one small file write every few seconds for the job's length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from elastic_ddp.config import ConfigError
+
+HEARTBEAT_S = 5.0
+STALE_S = 30.0
+_RECORD_BYTES = 1024
+
+
+class RunBusyError(ConfigError):
+    """Another live job holds the run's lease; the message names its host, pid and start
+    and the fix (the CLI's exit 2)."""
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime
+
+    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+
+def _pid_start(pid: int) -> Optional[float]:
+    from elastic_ddp.preflight import process_start_time
+
+    return process_start_time(pid)
+
+
+class RunLease:
+    """The lease of run ``name`` in ``storage`` (a local path or a URI).
+    :meth:`acquire` takes it (or raises :class:`RunBusyError`) and starts the heartbeat;
+    :meth:`release` stops it and removes the record."""
+
+    def __init__(self, storage: str, name: str):
+        from elastic_ddp.paths import uri_to_filesystem
+
+        self.storage, self.name = storage, name
+        self.fs, base = uri_to_filesystem(storage)
+        self.local = type(self.fs).__name__ == "LocalFileSystem"
+        self.dir = f"{base.rstrip('/')}/.leases"
+        self.path = f"{self.dir}/{name}.json"
+        now = time.time()
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(),
+                       "pid_start": _pid_start(os.getpid()), "since": now, "heartbeat": now,
+                       "run": name}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.took_over: Optional[dict] = None
+
+    # -- reading and judging ---------------------------------------------------------
+    def _read(self, path: Optional[str] = None) -> Optional[dict]:
+        try:
+            if self.local:
+                with open(path or self.path, "rb") as f:
+                    data = f.read()
+            else:
+                with self.fs.open_input_stream(path or self.path) as f:
+                    data = f.read()
+        except (FileNotFoundError, OSError):
+            return None
+        try:
+            return json.loads(data.decode(errors="replace").strip())
+        except ValueError:
+            return {}
+
+    def alive(self, rec: dict, now: Optional[float] = None) -> bool:
+        """Whether the holder of ``rec`` still lives: its heartbeat is recent and, on this
+        host, its process (the same pid with the same start time) still exists."""
+        now = time.time() if now is None else now
+        if not rec:
+            return False
+        if rec.get("host") == socket.gethostname() and rec.get("pid"):
+            if not os.path.exists(f"/proc/{int(rec['pid'])}"):
+                try:
+                    os.kill(int(rec["pid"]), 0)
+                except ProcessLookupError:
+                    return False
+                except OSError:
+                    pass
+            start = _pid_start(int(rec["pid"]))
+            if start is not None and rec.get("pid_start") is not None and abs(start - rec["pid_start"]) > 1.0:
+                return False  # the pid was reused by another process
+        return now - float(rec.get("heartbeat") or 0) < STALE_S
+
+    def _busy(self, rec: dict) -> RunBusyError:
+        ago = max(0.0, time.time() - float(rec.get("heartbeat") or 0))
+        return RunBusyError(
+            f"run.name={self.name!r} in {self.storage} is in use by a live job on host "
+            f"{rec.get('host', '?')}, pid {rec.get('pid', '?')}, since "
+            f"{_iso(float(rec.get('since') or 0))} (last heartbeat {ago:.0f} s ago); set another "
+            f"run.name, or wait for that job to end (a job that stops for {STALE_S:.0f} s is "
+            "taken over by the next run of this name, which resumes it)")
+
+    # -- taking and giving back ------------------------------------------------------
+    def _bytes(self) -> bytes:
+        return json.dumps(self.record).encode().ljust(_RECORD_BYTES)
+
+    def _create_local(self) -> bool:
+        os.makedirs(self.dir, exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(self._bytes())
+        try:
+            os.link(tmp, self.path)  # atomic; fails when the lease exists
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def _take_over_local(self, seen: dict) -> None:
+        """Move the stale record ``seen`` away, unless what is there now is another one
+        (a job that took it over a moment ago): that one is put back."""
+        grab = f"{self.path}.{os.getpid()}.takeover"
+        try:
+            os.rename(self.path, grab)
+        except FileNotFoundError:
+            return
+        if self._read(grab) != seen:
+            try:
+                os.link(grab, self.path)
+            except FileExistsError:
+                pass
+        os.unlink(grab)
+
+    def acquire(self) -> "RunLease":
+        """Take the lease, or raise :class:`RunBusyError` naming the live holder."""
+        for _ in range(5):
+            if self.local:
+                if self._create_local():
+                    break
+            else:
+                rec = self._read()
+                if rec is None or not self.alive(rec):
+                    self.fs.create_dir(self.dir, recursive=True)
+                    self._write()
+                    time.sleep(1.0)
+                    if self._read() == self.record:
+                        self.took_over = rec or None
+                        break
+                    continue
+            rec = self._read()
+            if rec is None:
+                continue  # released meanwhile: try again
+            if self.alive(rec):
+                raise self._busy(rec)
+            self.took_over = rec
+            self._take_over_local(rec)
+        else:
+            rec = self._read() or {}
+            raise self._busy(rec)
+        self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _write(self) -> None:
+        if self.local:
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, self._bytes(), 0)
+            finally:
+                os.close(fd)
+        else:
+            with self.fs.open_output_stream(self.path) as f:
+                f.write(self._bytes())
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                if self._read() != self.record:
+                    return  # taken over (this job was stopped long enough to look dead)
+                self.record["heartbeat"] = time.time()
+                self._write()
+            except OSError:
+                pass  # storage briefly unreachable: the next beat tries again
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the record (only this job's own)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=HEARTBEAT_S + 5)
+        try:
+            if self._read() == self.record:
+                if self.local:
+                    os.unlink(self.path)
+                    try:
+                        os.rmdir(self.dir)
+                    except OSError:
+                        pass
+                else:
+                    self.fs.delete_file(self.path)
+        except OSError:
+            pass
+
+    def describe_takeover(self) -> Optional[str]:
+        rec: dict[str, Any] = self.took_over or {}
+        if not rec:
+            return None
+        return (f"elastic-ddp: run {self.name!r}: took over the lease of the job on host "
+                f"{rec.get('host', '?')}, pid {rec.get('pid', '?')} (since "
+                f"{_iso(float(rec.get('since') or 0))}), which is gone")
