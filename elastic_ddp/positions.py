@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from elastic_ddp.causes import error_origin
+
 # Error classes (by name: the worker decides, the controller only reads the flag) that no
 # restart can fix: the data, the config, the task or the checkpoint is wrong.
 FATAL_TYPES = ("DataError", "TransformError", "CheckpointError", "DataChangedError",
@@ -30,19 +32,20 @@ class RankError(RuntimeError):
     computing or had just finished). Survives pickling to the controller."""
 
     def __init__(self, message: str, *, rank: int, step: Optional[int], epoch: Optional[int],
-                 phase: str, error_type: str, fatal: bool, detail: str = ""):
+                 phase: str, error_type: str, fatal: bool, detail: str = "", origin: str = ""):
         super().__init__(message)
         self.rank, self.step, self.epoch, self.phase = rank, step, epoch, phase
         self.error_type, self.fatal, self.detail = error_type, fatal, detail
+        self.origin = origin  # "task", "library" or "" (unknown): causes.error_origin
 
     def __reduce__(self):
         return (_rebuild_rank_error, (str(self), self.rank, self.step, self.epoch, self.phase,
-                                      self.error_type, self.fatal, self.detail))
+                                      self.error_type, self.fatal, self.detail, self.origin))
 
 
-def _rebuild_rank_error(message, rank, step, epoch, phase, error_type, fatal, detail):
+def _rebuild_rank_error(message, rank, step, epoch, phase, error_type, fatal, detail, origin=""):
     return RankError(message, rank=rank, step=step, epoch=epoch, phase=phase,
-                     error_type=error_type, fatal=fatal, detail=detail)
+                     error_type=error_type, fatal=fatal, detail=detail, origin=origin)
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -77,7 +80,8 @@ def located(exc: BaseException, rank: int, where: Optional[Mapping[str, Any]]) -
     head = f"step {step if step is not None else '?'} (epoch {epoch if epoch is not None else '?'}, "
     message = f"{head}rank {rank}, {phase}): {error_type}: {text}"
     return RankError(message, rank=rank, step=step, epoch=epoch, phase=phase,
-                     error_type=error_type, fatal=is_fatal(orig), detail=text)
+                     error_type=error_type, fatal=is_fatal(orig), detail=text,
+                     origin=error_origin(orig))
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -172,22 +176,22 @@ def _read_position_file(pid: int, remove: bool = True, node: Optional[str] = Non
 
 
 def read_position(node_id: Optional[str], pid: Optional[int], timeout_s: float = 20.0,
-                  force_task: bool = False) -> Optional[dict]:
+                  force_task: bool = False, remove: bool = True) -> Optional[dict]:
     """The last position record of process ``pid`` on node ``node_id``: read directly
     when that is this node, or when this machine holds a record of that pid written on
     that node (several Ray nodes on one host, as in a local multi-node cluster), else by
     a zero-CPU Ray task pinned to the node: a task may first need a new worker process
     there, which would sit between a failure and its restart. None when the node or the
-    record is gone."""
+    record is gone. ``remove=False``: the record stays (a live rank's)."""
     if not pid:
         return None
     import ray
 
     here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     if not force_task and (node_id is None or node_id == here):
-        return _read_position_file(pid)
+        return _read_position_file(pid, remove)
     if not force_task and node_id is not None:
-        rec = _read_position_file(pid, node=node_id)
+        rec = _read_position_file(pid, remove, node=node_id)
         if rec is not None:
             return rec
     if not ray.is_initialized():
@@ -196,7 +200,7 @@ def read_position(node_id: Optional[str], pid: Optional[int], timeout_s: float =
 
     fn = ray.remote(num_cpus=0, max_retries=0)(_read_position_file)
     try:
-        ref = fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(pid)
+        ref = fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(pid, remove)
         return ray.get(ref, timeout=timeout_s)
     except Exception:  # noqa: BLE001 - a lost node: the position is unknown
         return None

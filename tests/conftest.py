@@ -155,6 +155,19 @@ def alive_train_workers() -> list[int]:
     return pids
 
 
+class InProcess:
+    """An object whose methods are called as ``handle.method.remote(...)`` (an actor's
+    calling convention), run synchronously in this process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(remote=getattr(self.obj, name))
+
+
 # Fixtures that start a Ray cluster: tests using them are marked ``ray`` and left out of
 # the fast tier (``make test-fast``: -m "not ray and not slow").
 _RAY_FIXTURES = {"ray_cluster", "cluster", "gpu_ray_cluster"}

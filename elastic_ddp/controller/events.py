@@ -17,7 +17,8 @@ from ray.train.v2.api.callback import UserCallback
 from elastic_ddp.compat.ray_train import (ControllerCallback, WorkerGroupCallback, actor_death_time,
                                           retry_worker_deaths_at_start)
 
-from elastic_ddp.controller.failures import classify, likely_cause, primary, signature
+from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
+                                             stops_at_once, stragglers)
 from elastic_ddp.positions import read_position
 
 EVENTS_ARTIFACT = "events/events.json"
@@ -34,9 +35,11 @@ class ElasticEvents(UserCallback):
     """Records failures and stops the job on deterministic errors (raising from a
     callback makes Ray Train fail the run without retrying: a ControllerError)."""
 
-    def __init__(self, tracker, run_name: Optional[str] = None, storage: Optional[str] = None):
+    def __init__(self, tracker, run_name: Optional[str] = None, storage: Optional[str] = None,
+                 collective_timeout_s: Optional[float] = None):
         self.tracker = tracker
         self.run_name, self.storage = run_name, storage
+        self.collective_timeout_s = collective_timeout_s
         # rank -> {node_id, node_ip, pid} of the running worker group (ControllerEvents).
         self.workers: Dict[int, Dict[str, Any]] = {}
         self._last_signature: Optional[tuple] = None
@@ -80,6 +83,9 @@ class ElasticEvents(UserCallback):
         pending, self._pending = self._pending, {}
         failures = classify(pending, self._positions(pending), self.workers)
         cause = primary(failures)
+        # A collective that timed out: the cause is who did not arrive, not who waited.
+        hung = stragglers(failures, self.workers, self._live_positions(pending), self.collective_timeout_s)
+        cause = hung[0] if hung else cause
         event: Dict[str, Any] = {
             "type": "failure", "t": time.time(),
             "cause": cause.describe() if cause is not None else "worker group failure",
@@ -97,8 +103,10 @@ class ElasticEvents(UserCallback):
         stop = None
         if cause is not None and cause.fatal:
             stop = f"not retried (a data/config error: no restart can fix it): {cause.describe()}"
+        elif stops_at_once(failures, cause, self._last_world_size, self.storage) is not None:
+            stop = stops_at_once(failures, cause, self._last_world_size, self.storage)
         elif sig is not None and sig == self._last_signature:
-            what = "death" if cause.kind == "died" else "error"
+            what = {"died": "death", "hung": "hang"}.get(cause.kind, "error")
             stop = (f"the same {what} at the same step on two attempts in a row, not retried: "
                     f"{cause.describe()}; {likely_cause(cause)}")
         self._last_signature = sig
@@ -137,6 +145,17 @@ class ElasticEvents(UserCallback):
                 pos = {}
             t = actor_death_time(getattr(dead, "actor_id", None))
             out[rank] = {**pos, "t": t if t is not None else pos.get("t")}
+        return out
+
+    def _live_positions(self, pending: Dict[int, Exception]) -> Dict[int, dict]:
+        """The position records of the group's ranks that raised nothing (left in place:
+        those processes still run)."""
+        out: Dict[int, dict] = {}
+        for rank, meta in self.workers.items():
+            if rank not in pending:
+                pos = read_position(meta.get("node_id"), meta.get("pid"), remove=False) or {}
+                if not (pos and pos.get("run") not in (None, self.run_name) and self.run_name):
+                    out[rank] = pos
         return out
 
     @property

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
+from elastic_ddp.causes import SHAPE_OR_DTYPE, first_line, says_so, storage_problem
 from elastic_ddp.positions import ANSI_ESCAPE, FATAL_TYPES, RankError, is_fatal
 
 # Errors a rank gets because *another* rank failed: its peer vanished mid-collective.
@@ -60,8 +61,9 @@ def normalise(text: str) -> str:
 class RankFailure:
     """One failed rank, as the controller sees it.
 
-    ``kind``: ``died`` (the process is gone), ``error`` (a Python error) or
-    ``collateral`` (an error caused by another rank's failure). ``how``: for ``died``,
+    ``kind``: ``died`` (the process is gone), ``error`` (a Python error),
+    ``collateral`` (an error caused by another rank's failure) or ``hung`` (alive, but
+    its peers timed out waiting for it in a collective: :func:`stragglers`). ``how``: for ``died``,
     what killed it as far as Ray knows; ``signal``: the inferred signal."""
 
     rank: int
@@ -77,17 +79,19 @@ class RankFailure:
     signal: str = ""
     how: str = ""
     t: Optional[float] = None
+    origin: str = ""  # of an error: "task", "library", "" (causes.error_origin)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         where = f"step {self.step}" if self.step is not None else "an unknown step"
         if self.phase and self.phase != "training step":
             where += f" ({self.phase})"
-        if self.kind == "died":
+        if self.kind in ("died", "hung"):
             node = f" on node {self.node}" if self.node else ""
             pid = f", pid {self.pid}" if self.pid else ""
             sig = f" [{self.signal}]" if self.signal else ""
-            return f"rank {self.rank} died at {where}{node}{pid}: {self.how}{sig}"
+            verb = "died at" if self.kind == "died" else "did not arrive in the collective of"
+            return f"rank {self.rank} {verb} {where}{node}{pid}: {self.how}{sig}"
         lines = [ln for ln in self.message.strip().splitlines() if ln.strip()]
         text = " ".join(lines[:2]) if len(lines) > 1 and len(lines[0]) < 80 else (lines[0] if lines else "")
         return f"rank {self.rank} failed at {where}: {self.error_type}: {text[:400]}"
@@ -153,7 +157,8 @@ def classify(exceptions: Mapping[int, BaseException],
         if isinstance(exc, RankError):
             f = RankFailure(rank=rank, kind="error", step=exc.step, epoch=exc.epoch,
                             phase=exc.phase, error_type=exc.error_type, message=exc.detail or text,
-                            fatal=exc.fatal, node=meta.get("node_ip", ""), pid=meta.get("pid"))
+                            fatal=exc.fatal, node=meta.get("node_ip", ""), pid=meta.get("pid"),
+                            origin=getattr(exc, "origin", ""))
         else:
             m = re.search(r"\bstep (\d+) \(epoch (\d+), rank \d+(?:, ([^)]*))?\): (\w+): (.*)", text, re.S)
             if m:
@@ -192,19 +197,46 @@ def primary(failures: list[RankFailure]) -> Optional[RankFailure]:
     return min(failures, key=lambda f: f.rank)
 
 
+_TIMEOUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+
+
+def stragglers(failures: list[RankFailure], workers: Mapping[int, dict],
+               positions: Mapping[int, dict], timeout_s: Optional[float] = None) -> list[RankFailure]:
+    """The ranks a collective timed out waiting for: when the failures are only peers'
+    timeouts (collateral), every rank of the group (``workers``) that raised nothing, as
+    a ``hung`` failure at its last recorded position (``positions``: rank -> record).
+    [] when any rank died or raised a real error (that one is the cause)."""
+    if not failures or any(f.kind != "collateral" for f in failures) \
+            or not any(_TIMEOUT.search(f.message) for f in failures):
+        return []
+    waited = sorted(f.rank for f in failures)
+    limit = f" (scaling.collective_timeout_s={timeout_s:g})" if timeout_s else ""
+    out = []
+    for rank in sorted(set(workers) - {f.rank for f in failures}):
+        meta, pos = dict(workers[rank]), dict(positions.get(rank) or {})
+        at = f"at step {pos['step']}" if pos.get("step") is not None else "at an unknown step"
+        out.append(RankFailure(
+            rank=rank, kind="hung", step=pos.get("step"), epoch=pos.get("epoch"), phase=pos.get("phase"),
+            node=meta.get("node_ip", ""), pid=meta.get("pid"),
+            how=f"it was still in its {pos.get('phase') or 'work'} {at} (its position record) while "
+                f"rank(s) {', '.join(map(str, waited))} timed out waiting for it{limit}"))
+    return out
+
+
 def signature(f: Optional[RankFailure]) -> Optional[tuple]:
     """The failure's fingerprint across attempts (no rank: a restart may renumber
     ranks); None when its step is unknown (nothing to compare)."""
     if f is None or f.step is None:
         return None
-    if f.kind == "died":
-        return ("died", f.phase, f.step, f.how)
+    if f.kind in ("died", "hung"):
+        return (f.kind, f.phase, f.step, f.how if f.kind == "died" else "")
     first = f.message.strip().splitlines()[0] if f.message.strip() else ""
     return (f.kind, f.phase, f.step, f.error_type, normalise(first)[:500])
 
 
 def likely_cause(f: RankFailure) -> str:
-    """What usually makes this failure repeat, and what to do."""
+    """What usually makes this failure repeat, and what to do. The task is named only
+    for an error raised in the task's code (``RankFailure.origin``)."""
     if f.kind == "died":
         if f.signal == "SIGKILL":
             return ("likely cause: memory (the kernel OOM killer and Ray's memory monitor kill "
@@ -212,6 +244,15 @@ def likely_cause(f: RankFailure) -> str:
                     "the workers more memory; `dmesg` on that node shows 'Out of memory: Killed "
                     "process'")
         return "check the worker's log on that node (Ray's logs/worker-*.err)"
+    if f.kind == "hung":
+        return (f"likely cause: rank {f.rank} was slow or stuck in its {f.phase or 'step'} (a hang "
+                "in the task's loss or data, a deadlock, a much slower node); if such a step is "
+                "legitimately slow, raise scaling.collective_timeout_s")
+    storage = storage_problem(f.message) if f.kind != "died" else None
+    if storage is not None:
+        return f"cause: {storage}"
+    if says_so(f.message):
+        return f"cause: {says_so(f.message)}"
     if f.phase == "data read":
         return ("likely cause: a Parquet file that the footer scan accepted but whose pages cannot "
                 "be read (corrupt or truncated), or a file changed since the scan; re-write or "
@@ -222,7 +263,40 @@ def likely_cause(f: RankFailure) -> str:
         return "likely cause: the metrics the task returns (names, shapes, finiteness)"
     if f.phase == "restore":
         return "likely cause: the checkpoint or the data it was written on"
-    return "likely cause: the task's code or the rows of that step"
+    if f.origin == "library":
+        return ("likely cause: not the task's code (the error was raised in elastic-ddp, PyTorch "
+                "or Ray, outside the task's frames): the worker's log has the traceback")
+    if f.origin == "task":
+        return "likely cause: the task's code or the rows of that step"
+    return ("likely cause: the task's code or the rows of that step, or a library it calls "
+            "(the worker's log has the traceback)")
+
+
+def stops_at_once(failures: list[RankFailure], cause: Optional[RankFailure],
+                  world_size: Optional[int], storage: Optional[str] = None) -> Optional[str]:
+    """Why ``cause`` is deterministic on its first attempt, or None (then a restart is
+    tried): the storage is full or read-only (``causes.storage_problem``: the path, else
+    ``storage``), its error text says so (DDP's unused-parameter error, naming the config
+    field that fixes it: ``causes.says_so``), or every rank of the group (``world_size``)
+    raised the same shape or dtype error at the same step."""
+    if cause is None or cause.kind != "error":
+        return None
+    problem = storage_problem(cause.message, storage)
+    if problem is not None:
+        return f"not retried: {cause.describe()}; {problem}"
+    if says_so(cause.message):
+        return (f"not retried (the error says a restart cannot fix it): {cause.describe()}; "
+                f"{says_so(cause.message)}")
+    if not SHAPE_OR_DTYPE.search(cause.message):
+        return None
+    errors = [f for f in failures if f.kind == "error"]
+    key = normalise(first_line(cause.message))
+    same = all(f.step == cause.step and f.error_type == cause.error_type
+               and normalise(first_line(f.message)) == key for f in errors)
+    if not same or world_size is None or len({f.rank for f in errors}) < world_size:
+        return None
+    return (f"not retried (every rank raised the same shape/dtype error at step {cause.step}): "
+            f"{cause.describe()}; {likely_cause(cause)}")
 
 
 def describe_training_error(exc: BaseException) -> str:

@@ -164,7 +164,8 @@ def build_trainer(cfg: Config, job, tracker):
         num_workers = s.max_workers
         torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE), backend=torch_config.backend,
                                      timeout_s=s.collective_timeout_s)
-    sink = ElasticEvents(tracker, run_name=cfg.run.name, storage=_storage_path(cfg))
+    sink = ElasticEvents(tracker, run_name=cfg.run.name, storage=_storage_path(cfg),
+                         collective_timeout_s=s.collective_timeout_s)
     from elastic_ddp.paths import uri_to_filesystem
 
     # Ray Train gets the file system and the path, never a string to parse as a URI.
