@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,3 +279,44 @@ def test_a_ddp_job_with_an_unused_parameter_stops_after_one_attempt(tmp_path, di
     (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "FAILED"
     assert run.data.tags.get("elastic_ddp.attempts") in (None, "1"), run.data.tags
+
+
+HANG_TASK = UNUSED_TASK.replace('''        self.spare = nn.Linear(64, 10)          # never used: DDP's unused-parameter error
+''', '').replace('''    def loss(self, model, batch):
+''', '''    calls = 0
+
+    def loss(self, model, batch):
+        import time
+
+        import torch.distributed as dist
+
+        type(self).calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and type(self).calls == 3:
+            time.sleep(600)                      # rank 1 hangs in its loss (every attempt)
+''')
+
+
+@pytest.mark.ray  # starts its own local Ray in the subprocess
+def test_a_rank_that_hangs_in_its_loss_is_named_not_the_rank_that_timed_out(tmp_path, digits_data):
+    task = tmp_path / "user_code" / "hang_task.py"
+    task.parent.mkdir(parents=True)
+    task.write_text(textwrap.dedent(HANG_TASK))
+    raw = digits_config(digits_data, tmp_path, {"train": {"epochs": 1, "max_steps": 10},
+                                                "scaling": {"max_failures": 2, "collective_timeout_s": 10}})
+    raw["task"] = {"path": f"{task}:Digits", "kwargs": {}}
+    raw["model"] = {"kwargs": {}}
+    raw["data"]["val_path"] = None
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "train", str(cfg), "--no-progress"],
+                       capture_output=True, text=True, timeout=580, env=env, cwd=tmp_path)
+    assert p.returncode == 1, p.stderr[-3000:]
+    line = p.stderr.strip().splitlines()[-1]
+    # Two attempts hang at the same step: stopped as deterministic, naming rank 1.
+    assert "the same hang at the same step on two attempts in a row" in line, line
+    assert re.search(r"rank 1 did not arrive in the collective of step \d+ .*still in its training "
+                     r"step at step \d+ .*rank\(s\) 0 timed out waiting for it "
+                     r"\(scaling.collective_timeout_s=10\)", line), line
+    assert "likely cause: rank 1 was slow or stuck" in line, line

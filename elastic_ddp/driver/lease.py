@@ -47,9 +47,13 @@ def _iso(t: float) -> str:
 
 
 def _pid_start(pid: int) -> Optional[float]:
-    from elastic_ddp.preflight import process_start_time
-
-    return process_start_time(pid)
+    """When process ``pid`` started, in clock ticks since boot (/proc), None elsewhere: a
+    reused pid has another start."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            return float(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class RunLease:
@@ -104,7 +108,7 @@ class RunLease:
                 except OSError:
                     pass
             start = _pid_start(int(rec["pid"]))
-            if start is not None and rec.get("pid_start") is not None and abs(start - rec["pid_start"]) > 1.0:
+            if start is not None and rec.get("pid_start") is not None and start != rec["pid_start"]:
                 return False  # the pid was reused by another process
         return now - float(rec.get("heartbeat") or 0) < STALE_S
 
