@@ -310,7 +310,7 @@ def test_a_rank_that_hangs_in_its_loss_is_named_not_the_rank_that_timed_out(tmp_
     cfg.write_text(yaml.safe_dump(raw))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)
-    p = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "train", str(cfg), "--no-progress"],
+    p = subprocess.run([sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"],
                        capture_output=True, text=True, timeout=580, env=env, cwd=tmp_path)
     assert p.returncode == 1, p.stderr[-3000:]
     line = p.stderr.strip().splitlines()[-1]

@@ -76,7 +76,7 @@ def _job(tmp: Path, data: Path, features: str, label: str, extra: dict | None = 
                          ids=str)
 def test_float64_features_and_labels_of_any_integer_width_pass_the_dry_run(tmp_path, label_type):
     from elastic_ddp.config import Config
-    from elastic_ddp.preflight import prepare
+    from elastic_ddp.driver.preflight import prepare
 
     data = _data(tmp_path / "data", label_type)
     cfg = Config.load(str(_job(tmp_path, data, "x.astype(np.float64)", 'batch["y"]')))
@@ -98,7 +98,7 @@ def test_float64_features_and_labels_of_any_integer_width_pass_the_dry_run(tmp_p
 ])
 def test_a_tensor_of_the_wrong_kind_exits_2_naming_its_key_and_column(tmp_path, capsys, features,
                                                                       label, needle):
-    from elastic_ddp.cli import main
+    from elastic_ddp.driver.cli import main
 
     data = _data(tmp_path / "data", pa.int64(), pa.int64())
     rc = main(["train", str(_job(tmp_path, data, features, label)), "--no-progress"])
@@ -129,7 +129,7 @@ def test_the_default_collate_widens_integers_and_keeps_images_and_floats():
 def test_float64_features_and_int16_labels_train_through_the_cli(ray_cluster, tmp_path, capsys):
     """A real job (one worker, a few steps, validation included) on float64 features and
     int16 labels: it finishes, and the loss falls."""
-    from elastic_ddp.cli import main
+    from elastic_ddp.driver.cli import main
 
     data = _data(tmp_path / "data", pa.int16(), n=288)
     extra = {"scaling": {"min_workers": 1, "max_workers": 1},

@@ -86,7 +86,7 @@ def _job(tmp_path: Path, data: Path, case: str) -> Path:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_input_that_cannot_be_pickled_exits_2_naming_its_path(tmp_path, digits_data, capsys, case):
-    from elastic_ddp.cli import main
+    from elastic_ddp.driver.cli import main
 
     rc = main(["train", str(_job(tmp_path, digits_data, case)), "--no-progress"])
     out, err = capsys.readouterr()
@@ -106,7 +106,7 @@ def test_a_task_given_to_train_is_checked_too(tmp_path, digits_data):
     import threading
 
     from elastic_ddp.config import Config
-    from elastic_ddp.launcher import train
+    from elastic_ddp.driver.launcher import train
     from elastic_ddp.tasks.loading import TaskError
     from elastic_ddp.tasks.vision import CNNClassifier
 
