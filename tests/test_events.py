@@ -6,25 +6,14 @@ cluster-level behaviour is covered by tests/test_elastic.py)."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 
+from conftest import InProcess
 from elastic_ddp.controller.events import (EVENTS_ARTIFACT, ControllerEvents, DeterministicTrainingError,
                                 ElasticEvents)
-
-
-class InProcess:
-    """An object whose methods are called as ``handle.method.remote(...)`` (an actor's
-    calling convention), run synchronously in this process."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __getattr__(self, name):
-        return SimpleNamespace(remote=getattr(self.obj, name))
 
 
 @pytest.fixture()

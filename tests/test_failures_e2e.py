@@ -28,25 +28,22 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 
 from conftest import global_order_ids, mlflow_runs
+from helpers import hold_sqlite_lock, mixed_dataset, sigkilled_rank, small_config, write_rows
 from elastic_ddp.checkpoint import load_state
 from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit
-from test_robustness import hold_sqlite_lock, mixed_dataset, small_config, write_rows
 from elastic_ddp.run_state import Diagnostics
 
 
@@ -285,9 +282,8 @@ def test_a_dead_ranks_position_is_read_on_its_node_by_a_pinned_task(ray_cluster)
     import ray
 
     from elastic_ddp.positions import position_dir, read_position
-    from test_robustness import _sigkilled_rank
 
-    pid = _sigkilled_rank(1, 7, run="pinned")
+    pid = sigkilled_rank(1, 7, run="pinned")
     pos = read_position(ray.get_runtime_context().get_node_id(), pid, force_task=True)
     assert pos["step"] == 7 and pos["phase"] == "training step" and pos["rank"] == 1, pos
     assert pos["run"] == "pinned" and not (position_dir() / f"pid{pid}.json").exists()

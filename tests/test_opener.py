@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import digits_config
+from helpers import open_request
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
 from elastic_ddp.tracking.opener import RunOpener
@@ -20,22 +21,11 @@ from elastic_ddp.tracking.opener import RunOpener
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _request(cfg: Config, uri: str, storage: str) -> dict:
-    from elastic_ddp.data.scan import scan_parquet
-    from elastic_ddp.tasks.loading import load_task
-
-    task = load_task(cfg)
-    info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
-    return dict(cfg=cfg, storage=storage, uri=uri, parent_run_id=None,
-                task_params=tracking.task_params(cfg, task), train_info=info, val_info=None,
-                skipped={"train": ["_staging"]})
-
-
 def test_the_helper_opens_the_run_and_monitors_the_system_until_finish(digits_data, tmp_path):
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     opener = RunOpener(uri)
-    opener.open(**_request(cfg, uri, str(tmp_path / "ray")))
+    opener.open(**open_request(cfg, uri, str(tmp_path / "ray")))
     out = opener.result()
     assert out["resumed"] is False and out["attempts"] == {} and out["cfg"].run.name == cfg.run.name
     assert opener.result() == out  # the same answer again (the driver's error path asks twice)
@@ -71,13 +61,13 @@ def test_the_helper_exits_when_the_driver_dies(digits_data, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import json, os, sys
         sys.path.insert(0, {str(ROOT / 'tests')!r})
-        from test_opener import _request
+        from helpers import open_request
         from elastic_ddp.config import Config
         from elastic_ddp.tracking.opener import RunOpener
         cfg = Config.from_dict(json.load(open({str(cfg_file)!r})))
         uri = "sqlite:///{tmp_path / 'mlflow.db'}"
         o = RunOpener(uri)
-        o.open(**_request(cfg, uri, {str(tmp_path / 'ray')!r}))
+        o.open(**open_request(cfg, uri, {str(tmp_path / 'ray')!r}))
         o.result()
         print(o._p.pid, flush=True)
         os._exit(0)

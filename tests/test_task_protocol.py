@@ -4,7 +4,6 @@ that names the field or hook, before Ray or MLflow start."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -13,69 +12,11 @@ import torch
 import yaml
 
 from conftest import digits_config
+from helpers import TASK, user_config, write_task
 from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
 from elastic_ddp.tasks.loading import TaskError, build_model, load_task, preflight
 from elastic_ddp.tasks.protocol import TransformContext, default_collate, pad_sequences
-
-TASK = '''
-import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-import elastic_ddp
-
-
-class Net(nn.Module):
-    def __init__(self, width=16):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
-        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
-        self.head = nn.Linear(width * 16, 10)
-
-    def forward(self, x):                      # x: [B, 1, 8, 8] float32
-        h = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
-        return self.head(h.flatten(1))
-
-
-class Digits(elastic_ddp.Task):
-    columns = {"x": elastic_ddp.Column.list_of("float", length=64),
-               "y": elastic_ddp.Column.integer(min=0, max=9)}
-
-    def __init__(self, scale=1.0):
-        self.scale = scale
-
-    def transform(self, batch, ctx):
-        img = np.stack(list(batch["x"])).astype(np.float32).reshape(-1, 1, 8, 8) * self.scale
-        if ctx.split == "train":                # brightness jitter from (seed, epoch, id)
-            img = img * (0.9 + 0.2 * ctx.uniform(1, 1, 1).astype(np.float32))
-        return {"image": img, "label": batch["y"]}
-
-    def build_model(self, width=16):
-        return Net(width)
-
-    def loss(self, model, batch):
-        logits = model(batch["image"])
-        return (F.cross_entropy(logits, batch["label"], reduction="none"),
-                {"acc": (logits.argmax(-1) == batch["label"]).float()})
-'''
-
-
-def write_task(tmp: Path, body: str = TASK, name: str = "my_task.py") -> Path:
-    """A task module in a directory outside the repository."""
-    path = tmp / "user_code" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(body))
-    return path
-
-
-def user_config(data: Path, tmp: Path, task_file: Path, extra: dict | None = None) -> dict:
-    raw = digits_config(data, tmp, extra)
-    raw["task"] = {"path": f"{task_file}:Digits", "kwargs": {}}
-    raw["model"] = {"kwargs": {"width": 8}}
-    return raw
-
 
 def test_a_task_from_a_file_outside_the_repo_passes_the_dry_run(digits_data, tmp_path):
     cfg = Config.from_dict(user_config(digits_data, tmp_path, write_task(tmp_path)))

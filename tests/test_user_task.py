@@ -17,8 +17,8 @@ from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
-from test_task_protocol import user_config, write_task
 from elastic_ddp.run_state import Diagnostics
+from helpers import user_config, write_task
 
 pytestmark = pytest.mark.ray
 
