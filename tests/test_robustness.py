@@ -108,33 +108,6 @@ def small_config(data: Path, tmp: Path, extra: dict | None = None) -> dict:
     return _deep_update(raw, extra or {})
 
 
-# ------------------------------------------------------------------ 1. URI characters
-@pytest.mark.parametrize("name", ["ray results", "run #3", "what?", "100% done", "a@b"])
-def test_ray_train_gets_a_file_system_and_a_path_never_a_uri_to_parse(tmp_path, name):
-    """The storage path reaches Ray Train as (file system, path): Ray's StorageContext
-    writes its marker into the directory named, whatever characters it has. The string
-    form Ray would parse itself breaks on a relative path with a space, and a
-    ``file://`` + path URI on '#'/'?'/' '."""
-    import pyarrow.fs as pafs
-    from ray.train.v2._internal.execution.storage import StorageContext
-
-    from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import build_trainer
-
-    storage = tmp_path / name / "ckpt #1 ?x"
-    raw = digits_config(tmp_path, tmp_path, {"run": {"name": "sweep #2", "storage_path": str(storage)}})
-    trainer = build_trainer(Config.from_dict(raw), job=None, tracker=None)
-    rc = trainer.run_config
-    assert isinstance(rc.storage_filesystem, pafs.LocalFileSystem)
-    assert rc.storage_path == str(storage)
-    ctx = StorageContext(rc.storage_path, rc.name, storage_filesystem=rc.storage_filesystem)
-    assert (storage / "sweep #2").is_dir() and any((storage / "sweep #2").iterdir())
-    assert ctx.experiment_fs_path == f"{storage}/sweep #2"
-    # What parsing such a path as a URI would do:
-    with pytest.raises(Exception):
-        pafs.FileSystem.from_uri("file://" + str(storage))
-
-
 # ------------------------------------------------------------ 2. scan == reader
 def test_the_reader_delivers_what_the_scan_checked_on_mixed_files(tmp_path):
     """Nullability, list child names, int32/int64 and a `y=7/` directory: the scan
@@ -462,24 +435,6 @@ def test_run_names_ray_or_the_file_system_refuse_exit_2(tmp_path, capsys, name, 
     assert rc == 2 and out == "", err
     assert "config error" in err and "run.name" in err and needle in err, err
     assert "200 bytes" in err
-    _nothing_started(tmp_path)
-
-
-def test_a_storage_path_that_cannot_be_written_exits_2(tmp_path, capsys):
-    """A storage path under a regular file (which would kill Ray Train's controller after
-    the MLflow run opened) is one exit-2 line, and nothing is created."""
-    data = tmp_path / "data"
-    write_rows(data / "train" / "part-0.parquet", range(32))
-    write_rows(data / "val" / "part-0.parquet", range(100, 104))
-    (tmp_path / "notes.txt").write_text("a file")
-    raw = small_config(data, tmp_path, {"run": {"storage_path": str(tmp_path / "notes.txt" / "runs")}})
-    rc, out, err = _cli(tmp_path, raw, capsys)
-    assert rc == 2 and "run.storage_path" in err and "is not a directory" in err, err
-    assert not (tmp_path / "notes.txt").is_dir()
-    # Sibling: a file:// URI built by pasting a path with '#' into it.
-    raw["run"]["storage_path"] = f"file://{tmp_path}/runs #3"
-    rc, out, err = _cli(tmp_path, raw, capsys)
-    assert rc == 2 and "run.storage_path" in err and "%23" in err, err
     _nothing_started(tmp_path)
 
 
