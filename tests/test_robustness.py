@@ -108,58 +108,6 @@ def small_config(data: Path, tmp: Path, extra: dict | None = None) -> dict:
     return _deep_update(raw, extra or {})
 
 
-# ------------------------------------------------------------ 2. scan == reader
-def test_the_reader_delivers_what_the_scan_checked_on_mixed_files(tmp_path):
-    """Nullability, list child names, int32/int64 and a `y=7/` directory: the scan
-    unifies one schema (int32 widened to int64, nullable where any file is) and the
-    reader's own read function returns every file's values cast to it, `y` included."""
-    from elastic_ddp.data.ingest import _read_window
-    from elastic_ddp.data.order import Piece, Window
-
-    ids = mixed_dataset(tmp_path)
-    info = scan_parquet(tmp_path, task_columns(), "sample_id")
-    assert info.num_rows == len(ids)
-    assert info.schema.field("y").type == pa.int64() and info.schema.field("y").nullable
-    assert pa.types.is_list(info.schema.field("x").type)
-    got_ids, got_y = [], []
-    for g in info.row_groups:
-        t = _read_window(info.files, info.schema, 0,
-                         Window(0, 0, (Piece(g.file, g.index, 0, g.num_rows),), g.num_rows, ()))[0]
-        assert t.schema.field("y").type == pa.int64()
-        got_ids += t["sample_id"].to_pylist()
-        got_y += t["y"].to_pylist()
-    assert sorted(got_ids) == ids
-    assert got_y == [i % 3 for i in got_ids]  # never 7 from the directory name
-
-
-@pytest.mark.parametrize("a,b,fine", [
-    (pa.int32(), pa.int64(), True), (pa.uint16(), pa.int32(), True), (pa.int8(), pa.uint8(), True),
-    (pa.uint64(), pa.int64(), False), (pa.int64(), pa.float64(), False),
-    (pa.float32(), pa.float64(), True), (pa.string(), pa.binary(), False),
-])
-def test_numbers_of_different_widths_are_widened_other_mixes_refused(tmp_path, a, b, fine):
-    from elastic_ddp.data.columns import unify_field
-
-    if fine:
-        f = unify_field(pa.field("v", a, nullable=False), pa.field("v", b))
-        assert f.nullable
-        for t in (a, b):  # both files cast to it without loss
-            assert pa.array([1, 2], t).cast(f.type).to_pylist() == [1, 2] if t not in (
-                pa.string(), pa.binary()) else True
-    else:
-        with pytest.raises(TypeError):
-            unify_field(pa.field("v", a), pa.field("v", b))
-
-
-def test_a_label_stored_as_float_in_one_file_is_refused_naming_both_files(tmp_path):
-    write_rows(tmp_path / "a.parquet", range(8))
-    write_rows(tmp_path / "b.parquet", range(8, 16), y_type=pa.float64())
-    with pytest.raises(DataError) as e:
-        scan_parquet(tmp_path, task_columns(), "sample_id")
-    msg = str(e.value)
-    assert "a.parquet" in msg and "b.parquet" in msg and "'y'" in msg and "double" in msg
-
-
 # ------------------------------------------------------------- 3. the val split
 @pytest.mark.parametrize("case,needles", [
     ("label_5", ["val", "part-0.parquet", "'y'", "value 5", "largest allowed 2",
