@@ -470,25 +470,6 @@ def test_a_ray_address_nothing_answers_at_exits_2_after_printing_what_the_scan_s
     _nothing_started(tmp_path)
 
 
-# ------------------------------------------------------------ 7. the data fingerprint
-def test_the_fingerprint_changes_with_the_rows_not_with_a_copy(tmp_path):
-    cols = task_columns()
-    write_rows(tmp_path / "d" / "a.parquet", range(16))
-    base = scan_parquet(tmp_path / "d", cols).fingerprint
-    import shutil
-
-    shutil.copytree(tmp_path / "d", tmp_path / "copy")
-    assert scan_parquet(tmp_path / "copy", cols).fingerprint == base       # moved: same data
-    write_rows(tmp_path / "d" / "b.parquet", range(16, 24))                 # 8 rows added
-    added = scan_parquet(tmp_path / "d", cols).fingerprint
-    (tmp_path / "d" / "b.parquet").unlink()
-    write_rows(tmp_path / "d" / "a.parquet", range(12))                     # rows removed
-    removed = scan_parquet(tmp_path / "d", cols).fingerprint
-    write_rows(tmp_path / "d" / "a.parquet", range(100, 116))               # ids renumbered
-    renumbered = scan_parquet(tmp_path / "d", cols).fingerprint
-    assert len({base, added, removed, renumbered}) == 4
-
-
 # ------------------------------------------------------------ 9. tracking outages
 def hold_sqlite_lock(db: Path, seconds: float) -> subprocess.Popen:
     """Another process holding ``BEGIN EXCLUSIVE`` on the sqlite file for ``seconds``
