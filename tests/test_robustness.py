@@ -108,39 +108,6 @@ def small_config(data: Path, tmp: Path, extra: dict | None = None) -> dict:
     return _deep_update(raw, extra or {})
 
 
-# ------------------------------------------------------------- 3. the val split
-@pytest.mark.parametrize("case,needles", [
-    ("label_5", ["val", "part-0.parquet", "'y'", "value 5", "largest allowed 2",
-                 "task.kwargs.num_classes"]),
-    ("short_rows", ["val", "part-0.parquet", "'x'", "length 63", "expected exactly 64"]),
-    ("null_label", ["val", "part-0.parquet", "'y'", "null"]),
-])
-def test_validation_data_gets_the_training_checks_exit_2(tmp_path, capsys, case, needles):
-    """A validation label 5 with num_classes 3 (and siblings: rows of the wrong length, a
-    null label) is one exit-2 line naming the val file, the column and the fix, before
-    Ray or MLflow start."""
-    data = tmp_path / "data"
-    write_rows(data / "train" / "part-0.parquet", range(32))
-    if case == "label_5":
-        write_rows(data / "val" / "part-0.parquet", range(100, 104), labels=[0, 1, 5, 2])
-    elif case == "short_rows":
-        p = data / "val" / "part-0.parquet"
-        p.parent.mkdir(parents=True)
-        pq.write_table(pa.table({"sample_id": [100, 101], "x": [[0.5] * 63, [0.5] * 63],
-                                 "y": [0, 1]}), p)
-    else:
-        p = data / "val" / "part-0.parquet"
-        p.parent.mkdir(parents=True)
-        pq.write_table(pa.table({"sample_id": [100, 101], "x": [[0.5] * 64] * 2,
-                                 "y": pa.array([0, None], pa.int64())}), p)
-    rc, out, err = _cli(tmp_path, small_config(data, tmp_path), capsys)
-    assert rc == 2 and out == "", (rc, out, err)
-    assert err.startswith("elastic-ddp: data error: ") and len(err.strip().splitlines()) == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    _nothing_started(tmp_path)
-
-
 # --------------------------------------------------- 4 and 10. what failed, and where
 def _sigkilled_rank(rank: int, step: int, run: str = "job") -> int:
     """A real process that records its position at ``step`` (as a rank does) and is
