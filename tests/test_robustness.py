@@ -108,33 +108,6 @@ def small_config(data: Path, tmp: Path, extra: dict | None = None) -> dict:
     return _deep_update(raw, extra or {})
 
 
-# --------------------------------------------------------- 5. skipped steps, audited
-def _ledger(d: Path, attempt: str, rank: int, rows: list[dict], ws: int = 2, resumed: int = 0):
-    with open(d / f"attempt-{1 + rank}-{attempt}-rank{rank}.jsonl", "w") as f:
-        f.write(json.dumps({"header": True, "attempt": attempt, "rank": rank, "world_size": ws,
-                            "resumed_from": resumed, "t": 1.0}) + "\n")
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def test_the_audit_counts_skipped_samples_as_skipped_and_checks_every_rank_agrees(tmp_path):
-    from elastic_ddp.ledger import audit
-
-    _ledger(tmp_path, "a", 0, [{"epoch": 0, "step": 1, "ids": [0, 1]},
-                               {"epoch": 0, "step": 2, "ids": [4], "skipped": True}])
-    _ledger(tmp_path, "a", 1, [{"epoch": 0, "step": 1, "ids": [2, 3]},
-                               {"epoch": 0, "step": 2, "ids": [5], "skipped": True}])
-    r = audit(tmp_path, range(6), 1)
-    e = r["epochs"][0]
-    assert r["ok"] and e["lost"] == 0 and e["repeated"] == 0
-    assert e["skipped"] == 2 and e["skipped_ids"] == [4, 5] and e["skipped_steps"] == [2]
-    # One rank skipping alone is the defect the one decision prevents: not ok.
-    _ledger(tmp_path, "a", 1, [{"epoch": 0, "step": 1, "ids": [2, 3]},
-                               {"epoch": 0, "step": 2, "ids": [5]}])
-    bad = audit(tmp_path, range(6), 1)
-    assert not bad["ok"] and not bad["attempts"][0]["skips_agree"]
-
-
 # ------------------------------------------------------------ 6. driver set-up errors
 @pytest.mark.parametrize("name,needle", [
     ("x" * 300, "is 300 bytes long, the longest allowed is 200"),
