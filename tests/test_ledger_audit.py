@@ -56,7 +56,6 @@ def _ledger(d: Path, attempt: str, rank: int, rows: list[dict], ws: int = 2, res
 
 
 def test_the_audit_counts_skipped_samples_as_skipped_and_checks_every_rank_agrees(tmp_path):
-
     _ledger(tmp_path, "a", 0, [{"epoch": 0, "step": 1, "ids": [0, 1]},
                                {"epoch": 0, "step": 2, "ids": [4], "skipped": True}])
     _ledger(tmp_path, "a", 1, [{"epoch": 0, "step": 1, "ids": [2, 3]},
