@@ -109,25 +109,6 @@ def small_config(data: Path, tmp: Path, extra: dict | None = None) -> dict:
 
 
 # ------------------------------------------------------------ 6. driver set-up errors
-@pytest.mark.parametrize("name,needle", [
-    ("x" * 300, "is 300 bytes long, the longest allowed is 200"),
-    ("é" * 101, "is 202 bytes long, the longest allowed is 200"),
-    ("nightly/2024", "contains '/'"),
-    ("a\tb", "contains '\\t'"),
-    ("..", "names no directory of its own"),
-])
-def test_run_names_ray_or_the_file_system_refuse_exit_2(tmp_path, capsys, name, needle):
-    """A 300-character run.name killed Ray Train's controller in its constructor (the run
-    directory is one file-name component, 255 bytes at most); '/' and control characters
-    are refused the same way, up front, naming the longest name allowed."""
-    data = tmp_path / "data"
-    write_rows(data / "train" / "part-0.parquet", range(32))
-    write_rows(data / "val" / "part-0.parquet", range(100, 104))
-    rc, out, err = _cli(tmp_path, small_config(data, tmp_path), capsys, "--set", f"run.name={name}")
-    assert rc == 2 and out == "", err
-    assert "config error" in err and "run.name" in err and needle in err, err
-    assert "200 bytes" in err
-    _nothing_started(tmp_path)
 
 
 METRIC_TASK = """
