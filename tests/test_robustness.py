@@ -108,16 +108,3 @@ def small_config(data: Path, tmp: Path, extra: dict | None = None) -> dict:
     return _deep_update(raw, extra or {})
 
 
-# ------------------------------------------------------------ 9. tracking outages
-
-
-def test_the_tracker_counts_restarts_across_submissions():
-    from elastic_ddp.tracking import JobTracker
-
-    t = JobTracker("sqlite:////nonexistent/x.db", "r", attempts_before=2, world_sizes_before=[2, 1])
-    assert t.start_attempt(2) == {"attempts": 3, "world_sizes": [2, 1, 2]}
-    assert t._tags["elastic_ddp.attempts"] == "3"
-    # Nothing left for its writer thread, which would otherwise try this store (there is
-    # no run "r") when its deferral ends, in whatever test runs then.
-    with t._lock:
-        t._tags.clear()

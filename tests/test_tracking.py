@@ -172,3 +172,21 @@ def test_restart_event_rows_carry_times_as_text():
     assert "t" not in row and row["time"].startswith("2026-") and "T" in row["time"]
     assert row["recovery_s"] == 12.3 and row["failed_ranks"] == [1]
     assert list(row)[:4] == ["index", "type", "time", "cause"]
+
+
+def test_the_tracker_counts_restarts_across_submissions(tmp_path):
+    """A resubmission's tracker continues the earlier submissions' count: two attempts at
+    world sizes 2 and 1 before, this start makes three, and the run's tag says so."""
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.tracking import JobTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
+    t = JobTracker(uri, run_id, attempts_before=2, world_sizes_before=[2, 1])
+    assert t.start_attempt(2) == {"attempts": 3, "world_sizes": [2, 1, 2]}
+    assert t.flush(30)
+    tags = client.get_run(run_id).data.tags
+    assert tags["elastic_ddp.attempts"] == "3"
+    assert json.loads(tags["elastic_ddp.world_sizes_seen"]) == [2, 1, 2]
