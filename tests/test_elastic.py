@@ -7,18 +7,16 @@ never fits on the head and a worker node holds exactly one worker: removing a no
 removes a rank.
 
 Faults are real: a worker process SIGKILLs itself (``train(..., fault=...)``, see
-``worker._Fault``), a node's raylet and workers are killed (``cluster.remove_node``),
+``elastic_ddp.worker.faults.Fault``), a node's raylet and workers are killed (``cluster.remove_node``),
 a node is added back. Every job writes the sample ledger and ``elastic_ddp.ledger.audit``
 checks that each epoch used every training sample exactly once in committed steps.
 
 The interrupted jobs' final val loss is compared with one uninterrupted job of the same
 config at a fixed world size of 2 (the module's ``baseline``).
 
-Durations (2 shared CPU cores, load average 15-40 from other jobs): cluster + baseline
-~150 s, kill mid-step ~130 s, kill during checkpoint write ~105 s, deterministic error
-~70 s, shrink-and-grow ~295 s. The last two fault tests are marked ``slow``
-(``pytest -m slow``); the default run keeps the baseline, the mid-step kill and the
-deterministic error.
+The checkpoint-write kill and the shrink-and-grow job are marked ``slow``
+(``pytest -m slow``); the default run keeps the baseline and the mid-step kill. A
+deterministic error's stop is tested by tests/test_failures_e2e.py.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ import pytest
 
 from conftest import _deep_update, digits_config, mlflow_runs
 from elastic_ddp.checkpoint import CheckpointError, load_state
-from elastic_ddp.driver.launcher import TrainingError, train
-from elastic_ddp.ledger import audit, format_audit, read_attempts
+from elastic_ddp.driver.launcher import train
+from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 
 EPOCHS = 3
@@ -263,30 +261,6 @@ def test_kill_during_checkpoint_write(cluster, data, baseline, tmp_path):
     _close_to_baseline(s, baseline)
 
 
-@pytest.mark.slow  # ~90 s; keeps the default suite inside its 15-minute budget
-def test_deterministic_error_fails_fast(cluster, data, tmp_path):
-    """(d) a ValueError at step 7 on every attempt: the job stops after 2 attempts (not
-    max_failures=3 restarts), the TrainingError carries the original text, and the
-    MLflow run is FAILED."""
-    from mlflow.tracking import MlflowClient
-
-    cfg = _job(data, tmp_path, "det-error")
-    with pytest.raises(TrainingError) as ei:
-        train(cfg, diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 1, "at_step": 7, "where": "error",
-                     "marker": str(tmp_path / "fired")}), progress=False)
-    msg = str(ei.value)
-    assert "injected deterministic error at step 7" in msg, msg
-    attempts = read_attempts(tmp_path / "ledger")
-    assert len(attempts) == 2, [a.world_size for a in attempts]
-    client = MlflowClient(cfg.run.tracking_uri)
-    run_id = msg.split("MLflow run ")[1].split()[0]
-    run = client.get_run(run_id)
-    assert run.info.status == "FAILED"
-    assert "injected deterministic error" in run.data.tags["elastic_ddp.error"]
-    failures = [e for e in _events(cfg.run.tracking_uri, run_id) if e["type"] == "failure"]
-    assert len(failures) == 2 and all("step 7" in e["cause"] for e in failures), failures
-
-
 @pytest.mark.slow
 def test_elastic_shrink_and_grow(cluster, data, baseline, tmp_path):
     """(a) min_workers=1, max_workers=2: a worker node is removed mid-epoch 0 (its rank
@@ -317,13 +291,17 @@ def test_elastic_shrink_and_grow(cluster, data, baseline, tmp_path):
     th.start()
     done = lambda: not th.is_alive()  # noqa: E731
     _wait(lambda: done() or _max_step(ledger) >= 4, 300)
+    assert not done(), "training ended before the node could be removed"
     node = sorted(cluster.worker_nodes, key=lambda n: n.unique_id)[0]
     log["remove_t"] = time.time()
     cluster.remove_node(node)
     _wait(lambda: done() or _max_step(ledger, world_size=1) > 0, 300)
     log["add_t"] = time.time()
-    # Issue #12: training goes on at the smaller size within 60 s of losing the node
-    # (it waited out a 600 s placement timeout before scaling.placement_timeout_s).
+    # Training goes on at the smaller size within 60 s of losing the node (not after Ray
+    # Train's placement timeout: scaling.placement_timeout_s bounds the wait for the lost
+    # node's resources). A step at world size 1 must have happened for the figure to mean
+    # anything.
+    assert _max_step(ledger, world_size=1) > 0, "no step ran at world size 1"
     FIGURES["node_removal_to_ws1_step_s"] = round(log["add_t"] - log["remove_t"], 1)
     assert log["add_t"] - log["remove_t"] < 60, FIGURES["node_removal_to_ws1_step_s"]
     add_node(cluster, num_cpus=2)
