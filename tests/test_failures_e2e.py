@@ -1,21 +1,24 @@
-"""Issue #13 end to end: real Ray jobs (the module's local cluster, 2 gloo workers), real
-Parquet files, real sqlite MLflow stores, real SIGKILLs. Cases are combined into few
-jobs (each job costs ~30-60 s of start-up on a 2-core machine); the Ray-free tests of the
-same items are in tests/test_robustness.py.
+"""Inputs and failures that real jobs meet, end to end: real Ray jobs (the module's local
+cluster, 2 gloo workers), real Parquet files, real sqlite MLflow stores, real SIGKILLs.
+Cases are combined into few jobs, since each job pays Ray Train's start-up; the Ray-free
+tests of the same behaviours are in the modules named for them (test_storage_paths,
+test_scan_schema, test_validation_checks, test_failure_classification, test_ledger_audit,
+test_data_fingerprint, test_tracking_store_locked, test_run_names, test_metric_names).
 
-Default suite (~5 minutes here):
+Default suite:
 - one job on a storage path and data path with ' ', '#' and '?' and the run name
   'sweep #2', over files that differ in nullability, list child names and integer width
   plus a 'y=7/' directory, with a NaN row, one validation row for two workers, and rank 1
-  SIGKILLed at step 3: it resumes from step 2 and finishes (items 1, 2, 3, 5, 10);
-- a CLI job while another process holds the sqlite store's write lock for 25 s (9, 8);
-- a rank killed at the same step on every attempt: stopped after two (4);
-- an fsdp job with one validation row stopped by consecutive inf steps (exit 1), resumed
-  on data that changed (refused, exit 1, not retried), then with
-  data.on_change=restart_epoch (finishes, ledger clean) (7, 5, 3);
-- a deleted MLflow experiment (exit 2) and Ctrl-C while Ray starts (run KILLED) (6).
-Slow (``-m slow``): an error in evaluation and in the data read, each stopped after two
-attempts (4), and ids renumbered under a checkpoint (7).
+  SIGKILLed at step 3: it resumes from step 2 and finishes, the NaN step skipped by every
+  rank, the failure's cause the dead rank;
+- a rank killed at the same step on every attempt: stopped after two;
+- a dead rank's position read on its node by a pinned task;
+- a deleted MLflow experiment (exit 2) and Ctrl-C while Ray starts or during training
+  (exit 130, run KILLED).
+Slow (``-m slow``): a CLI job through a 25 s tracking-store lock; an fsdp job stopped by
+consecutive inf steps, then resumed on changed data (refused, or the epoch restarted);
+an error in evaluation and in the data read, each stopped after two attempts; ids
+renumbered under a checkpoint.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _cli(tmp: Path, raw: dict, capsys, *extra) -> tuple[int, str, str]:
     return rc, out, err
 
 
-# ------------------------------------------------------------- items 1, 2, 3, 5, 10
+# ----------------------------------- odd paths, mixed files, a NaN row, a killed rank
 def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_cluster, tmp_path):
     base = tmp_path / "work #1 ?a b"
     data = base / "data #3 ?x"
@@ -86,7 +89,7 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
     s = train(Config.from_dict(raw), diagnostics=Diagnostics(ledger_dir=str(ledger), fault={"rank": 1, "at_step": 3, "where": "step", "marker": str(marker)}), progress=False)
     assert marker.exists() and s.steps == 10, s
 
-    # 1. Checkpoints went to the directory named, and the restart resumed from them.
+    # Checkpoints went to the directory named, and the restart resumed from them.
     ckpts = sorted((storage / "sweep #2").glob("checkpoint_step*"))
     assert ckpts and Path(s.checkpoint_path) == ckpts[-1], (ckpts, s.checkpoint_path)
     report = audit(ledger, ids, 2)
@@ -94,7 +97,7 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
     assert report["ok"], format_audit(report)
     assert [a["resumed_from"] for a in report["attempts"]] == [0, 2]
 
-    # 10. The cause is rank 1's death (signal, node, step), not rank 0's gloo error; the
+    # The cause is rank 1's death (signal, node, step), not rank 0's gloo error; the
     # restart counters and tag say 1.
     (ev,) = [e for e in s.events if e["type"] == "failure"]
     assert ev["cause_rank"] == 1 and ev["cause_kind"] == "died" and ev["step"] == 3, ev
@@ -105,7 +108,7 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
     assert run.info.status == "FINISHED"
     assert run.data.tags["elastic_ddp.restarts"] == "1" and run.data.tags["elastic_ddp.attempts"] == "2"
 
-    # 5. The NaN row's step was skipped by every rank, in both epochs, counted apart in the
+    # The NaN row's step was skipped by every rank, in both epochs, counted apart in the
     # ledger and in MLflow; the weights stayed finite.
     skipped = [e for e in report["epochs"].values() if e["skipped"]]
     assert len(skipped) == 2 and all(nan_id in e["skipped_ids"] for e in skipped), report["epochs"]
@@ -117,13 +120,13 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
     state = load_state(s.checkpoint_path)
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
-    # 2 and 3. The mixed files trained (labels from the files, never 7 from 'y=7/'), and
+    # The mixed files trained (labels from the files, never 7 from 'y=7/'), and
     # one validation row for two workers gave a finite validation loss.
     assert math.isfinite(s.metrics["val_loss"]) and s.metrics["val_acc"] in (0.0, 1.0), s.metrics
 
 
-# ------------------------------------------------------------------- items 9 and 8
-# slow: 40 s; test_robustness holds the same 25 s lock on the tracker itself (default tier).
+# ------------------------------------------------- a locked tracking store, skipped entries
+# slow; test_tracking_store_locked holds the same 25 s lock on the tracker itself (default tier).
 @pytest.mark.slow
 def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_path, capsys):
     """Another process holds BEGIN EXCLUSIVE on the sqlite store for 25 s from step 3 on:
@@ -180,7 +183,7 @@ def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_p
     assert summary["tracking"]["delayed"] >= len(during) and summary["tracking"]["dropped"] == 0
     assert summary["tracking"]["unavailable_s"] >= 10, summary["tracking"]
     assert "tracking:" in out and "metric values delayed" in out
-    # 8: printed once, before training; recorded in the run.
+    # What the scan skipped: printed once, before training; recorded in the run.
     assert out.count("entries not read") == 1 and out.index("entries not read") < out.index("summary")
     for needle in (".staging/: hidden", "_SUCCESS: hidden", "8 Parquet file(s) read"):
         assert needle in out, (needle, out)
@@ -188,7 +191,7 @@ def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_p
     assert any(".staging" in s for s in skipped["train"]) and run.data.tags["elastic_ddp.data_skipped"] == "2"
 
 
-# ------------------------------------------------------------------------- item 4
+# ------------------------------------------------------- the same death on every attempt
 def test_a_rank_killed_at_the_same_step_every_attempt_stops_after_two(ray_cluster, tmp_path):
     """Rank 1 is SIGKILLed inside step 3 on every attempt (as the OOM killer does): two
     attempts, not max_failures + 1; the error names the step, the rank and memory; the
@@ -214,7 +217,7 @@ def test_a_rank_killed_at_the_same_step_every_attempt_stops_after_two(ray_cluste
     assert [ev["decision"] for ev in events] == ["RETRY", "STOP (deterministic)"], events
 
 
-# ------------------------------------------------------------------ items 7, 5, 3
+# ----------------------------------------- non-finite steps, then data changed on resume
 # slow: 40 s; the skip decision, its audit and the fingerprint check have Ray-free tests.
 @pytest.mark.slow
 def test_inf_steps_stop_then_a_resume_on_changed_data_is_refused_or_restarts_the_epoch(
@@ -289,7 +292,7 @@ def test_a_dead_ranks_position_is_read_on_its_node_by_a_pinned_task(ray_cluster)
     assert pos["run"] == "pinned" and not (position_dir() / f"pid{pid}.json").exists()
 
 
-# ------------------------------------------------------------------------- item 6
+# ------------------------------------------------------------- driver set-up and Ctrl-C
 def test_a_deleted_experiment_exits_2_with_the_fix_and_creates_no_run(ray_cluster, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -366,7 +369,7 @@ def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
     assert run.info.status == "KILLED", run.info.status
 
 
-# ------------------------------------------------------------------- slow: item 4, 7
+# -------------------------------------- slow: errors in evaluation and the read, renumbered ids
 EVAL_TASK = """
 from elastic_ddp.tasks.vision import CNNClassifier
 
