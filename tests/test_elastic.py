@@ -183,7 +183,7 @@ def test_baseline_uninterrupted(baseline):
 
 
 def test_kill_worker_mid_step(cluster, data, baseline, tmp_path):
-    """(b) rank 1 SIGKILLs itself before step 12 (rank 0 is blocked in that step's
+    """Rank 1 SIGKILLs itself before step 12 (rank 0 is blocked in that step's
     all-reduce): one restart from the step-10 checkpoint, nothing lost or repeated."""
     marker = tmp_path / "fired"
     s = train(_job(data, tmp_path, "kill-step"), diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 1, "at_step": 12, "where": "step", "marker": str(marker)}),
@@ -263,7 +263,7 @@ def test_kill_during_checkpoint_write(cluster, data, baseline, tmp_path):
 
 @pytest.mark.slow
 def test_elastic_shrink_and_grow(cluster, data, baseline, tmp_path):
-    """(a) min_workers=1, max_workers=2: a worker node is removed mid-epoch 0 (its rank
+    """min_workers=1, max_workers=2: a worker node is removed mid-epoch 0 (its rank
     dies with it), training continues at world size 1, a node is added back and Ray
     Train's elastic policy grows the group to 2 again. Every epoch still uses each
     sample once; one MLflow run holds the failure and resize events."""

@@ -116,7 +116,7 @@ def test_yaml_value_leaves_plain_paths_plain():
 
 @pytest.mark.parametrize("name", ["proj #2", "my proj", "q?x", "me@host", "a:b", "x: y", "#top"])
 def test_generated_overrides_survive_odd_checkout_names(tmp_path, name):
-    """#13 item 1: the overrides `submit` generates for a checkout in ``proj #2`` (or with
+    """The overrides `submit` generates for a checkout in ``proj #2`` (or with
     a space, ?, @, :) reach the job's config unchanged."""
     root = _checkout(tmp_path / name / "repo")
     sub = prepare(str(root / "experiments/configs/digits_cnn.yaml"), [], LOOPBACK, environ={})
