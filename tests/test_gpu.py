@@ -69,6 +69,6 @@ def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
 
     local = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(
         summary.run_id, "model/state.pt", str(tmp_path / "dl"))
-    state = torch.load(Path(local), map_location="cpu", weights_only=True)
+    state = torch.load(Path(local), weights_only=True)  # no map_location: saved on the CPU
     assert all(t.device.type == "cpu" for t in state["model"].values())
     build_model(cfg, load_task(cfg)).load_state_dict(state["model"])
