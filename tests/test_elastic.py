@@ -6,10 +6,11 @@ worker asks for 2 CPUs (``scaling.cpus_per_worker: 2``, ``torch_threads: 1``), s
 never fits on the head and a worker node holds exactly one worker: removing a node
 removes a rank.
 
-Faults are real: a worker process SIGKILLs itself (``train(..., diagnostics=Diagnostics(fault=...))``, see
-``elastic_ddp.worker.faults.Fault``), a node's raylet and workers are killed (``cluster.remove_node``),
-a node is added back. Every job writes the sample ledger and ``elastic_ddp.ledger.audit``
-checks that each epoch used every training sample exactly once in committed steps.
+Faults are real: a worker process SIGKILLs itself
+(``train(..., diagnostics=Diagnostics(fault=...))``, see ``elastic_ddp.worker.faults.Fault``),
+a node's raylet and workers are killed (``cluster.remove_node``), a node is added back.
+Every job writes the sample ledger and ``elastic_ddp.ledger.audit`` checks that each
+epoch used every training sample exactly once in committed steps.
 
 The interrupted jobs' final val loss is compared with one uninterrupted job of the same
 config at a fixed world size of 2 (the module's ``baseline``).
