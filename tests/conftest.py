@@ -137,6 +137,62 @@ def global_order_ids(cfg, split_dir: Path, epoch: int):
                      for i, r in order.global_rows()], dtype=np.int64)
 
 
+def replay_plain_torch(cfg, data_dir: Path):
+    """The job's training replayed in one process without Ray or DDP: same init seed,
+    same per-epoch global order (the library's epoch order over the real row groups), same
+    LR per sample count (``lr_at``), full-batch mean loss. Returns (every step's loss,
+    model). By the world-size invariance of a step (test_batching), the 2-worker job must
+    compute the same training up to float reassociation."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    files = sorted((data_dir / "train").glob("*.parquet"))
+    tables = [pq.read_table(f) for f in files]
+    ids = np.concatenate([t["sample_id"].to_numpy() for t in tables])
+    x = np.concatenate([np.stack(t["x"].to_numpy(zero_copy_only=False)) for t in tables]).astype(np.float32)
+    y = np.concatenate([t["y"].to_numpy() for t in tables])
+    pos = {int(i): k for k, i in enumerate(ids)}
+    orders = [global_order_ids(cfg, data_dir / "train", e) for e in range(cfg.train.epochs)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ~3 s of tiny matmuls; more threads only contend on 2 cores
+    try:
+        return _replay_loop(cfg, orders, x, y, pos)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_loop(cfg, orders, x, y, pos):
+    import numpy as np
+    import torch
+
+    from elastic_ddp.batching import lr_at
+    from elastic_ddp.tasks.loading import build_model, load_task
+
+    assert cfg.optim.name == "adamw"
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, load_task(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                            weight_decay=cfg.optim.weight_decay)
+    g, total = cfg.batch.global_batch_size, len(orders[0]) * cfg.train.epochs
+    seen, losses = 0, []
+    for epoch in range(cfg.train.epochs):
+        order = orders[epoch]
+        for c in range(0, len(order), g):
+            rows = np.array([pos[int(i)] for i in order[c:c + g]])
+            for group in opt.param_groups:
+                group["lr"] = lr_at(seen, total, cfg.optim.lr, cfg.optim.warmup_steps * g,
+                                    cfg.optim.min_lr_ratio)
+            loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x[rows])),
+                                                     torch.from_numpy(y[rows]))
+            losses.append(float(loss.detach()))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen += len(rows)
+    return losses, model
+
+
 def alive_train_workers() -> list[int]:
     """PIDs of this cluster's live Ray Train worker actors, from the GCS actor table
     (no dashboard needed; never another cluster's processes)."""

@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import digits_config, mlflow_runs
+from conftest import digits_config, mlflow_runs, replay_plain_torch
 from elastic_ddp.config import Config, ConfigError
 from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
-from test_train_e2e import _replay_plain_torch
 from elastic_ddp.run_state import Diagnostics
 
 # 8 epochs of 45 steps, each at least STEP_S: the survivor is still training when the
@@ -79,7 +78,7 @@ def test_a_replica_killed_mid_epoch_is_replaced_alone_and_the_run_stays_exact(
     # restart-mode exactness tests, val accuracy within one val row. Measured: val_loss
     # 0.10498 vs 0.10566 (0.6%), weights within 1.4e-5 of the replay at step 135; without
     # the lone-replica phases (2 epochs, min_workers 2) equal to 1e-8.
-    _, replay = _replay_plain_torch(cfg, digits_data)
+    _, replay = replay_plain_torch(cfg, digits_data)
     files = sorted((digits_data / "val").glob("*.parquet"))
     x = np.concatenate([np.stack(pq.read_table(f)["x"].to_numpy(zero_copy_only=False)) for f in files])
     y = np.concatenate([pq.read_table(f)["y"].to_numpy() for f in files])

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import digits_config, global_order_ids, mlflow_runs, pycode_config
+from conftest import digits_config, mlflow_runs, pycode_config, replay_plain_torch
 from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.tasks.loading import build_model, load_task
@@ -73,54 +73,6 @@ def _val_accuracy_of(model: torch.nn.Module, val_dir: Path) -> tuple[float, int]
     with torch.no_grad():
         pred = model(torch.from_numpy(x)).argmax(-1).numpy()
     return float((pred == y).mean()), len(y)
-
-
-def _replay_plain_torch(cfg: Config, data_dir: Path) -> tuple[list[float], torch.nn.Module]:
-    """The job's training replayed in one process without Ray or DDP: same init seed,
-    same per-epoch global order (the library's epoch order over the real row groups), same
-    LR per sample count (``lr_at``), full-batch mean loss. Returns (every step's loss,
-    model). By the world-size invariance of a step (test_batching), the 2-worker job must
-    compute the same training up to float reassociation."""
-    files = sorted((data_dir / "train").glob("*.parquet"))
-    tables = [pq.read_table(f) for f in files]
-    ids = np.concatenate([t["sample_id"].to_numpy() for t in tables])
-    x = np.concatenate([np.stack(t["x"].to_numpy(zero_copy_only=False)) for t in tables]).astype(np.float32)
-    y = np.concatenate([t["y"].to_numpy() for t in tables])
-    pos = {int(i): k for k, i in enumerate(ids)}
-    orders = [global_order_ids(cfg, data_dir / "train", e) for e in range(cfg.train.epochs)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ~3 s of tiny matmuls; more threads only contend on 2 cores
-    try:
-        return _replay_loop(cfg, orders, x, y, pos)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _replay_loop(cfg: Config, orders, x, y, pos) -> tuple[list[float], torch.nn.Module]:
-    from elastic_ddp.batching import lr_at
-
-    assert cfg.optim.name == "adamw"
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, load_task(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                            weight_decay=cfg.optim.weight_decay)
-    g, total = cfg.batch.global_batch_size, len(orders[0]) * cfg.train.epochs
-    seen, losses = 0, []
-    for epoch in range(cfg.train.epochs):
-        order = orders[epoch]
-        for c in range(0, len(order), g):
-            rows = np.array([pos[int(i)] for i in order[c:c + g]])
-            for group in opt.param_groups:
-                group["lr"] = lr_at(seen, total, cfg.optim.lr, cfg.optim.warmup_steps * g,
-                                    cfg.optim.min_lr_ratio)
-            loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x[rows])),
-                                                     torch.from_numpy(y[rows]))
-            losses.append(float(loss.detach()))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            seen += len(rows)
-    return losses, model
 
 
 def _check_run_reads_well(client, run, summary, cfg: Config, data: Path, tmp: Path) -> None:
@@ -259,7 +211,7 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     # The 2-worker DDP job trains as one plain loop over the same global batches: the
     # first step's loss (same init, same 32 rows) matches to float precision, and the
     # final model's accuracy within two val rows (135 Adam steps of float reassociation).
-    replay_losses, replay = _replay_plain_torch(cfg, digits_data)
+    replay_losses, replay = replay_plain_torch(cfg, digits_data)
     first_loss = replay_losses[0]
     assert loss[0][1] == pytest.approx(first_loss, rel=1e-5)
     replay_acc, _ = _val_accuracy_plain_torch(cfg, replay.state_dict(), digits_data / "val")
@@ -332,7 +284,7 @@ def resize_reference(digits_data, tmp_path_factory):
     PyTorch (the same global batches, init and LR; ~1 s instead of another Ray job)."""
     cfg = Config.from_dict(digits_config(digits_data, tmp_path_factory.mktemp("resize-ref"),
                                          RESIZE))
-    losses, model = _replay_plain_torch(cfg, digits_data)
+    losses, model = replay_plain_torch(cfg, digits_data)
     acc, n_val = _val_accuracy_plain_torch(cfg, model.state_dict(), digits_data / "val")
     return {k + 1: v for k, v in enumerate(losses)}, acc, n_val
 
