@@ -13,7 +13,7 @@ import pytest
 from conftest import digits_config, mlflow_runs, replay_plain_torch
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.launcher import train
+from elastic_ddp.driver.launcher import train
 
 # Each step at least STEP_S: the survivor is still training when the replacement (a new
 # Ray worker process: seconds) arrives. 45 steps an epoch (1,437 rows / 32): killed before
