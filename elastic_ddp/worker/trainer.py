@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from elastic_ddp.compat.torch_nn import BatchNormBase
-from elastic_ddp.parallel.batchnorm import batchnorm_guard
-from elastic_ddp.batching import grad_accum_steps, lr_at, micro_slices, run_length, split_evenly, step_rows
+from elastic_ddp.batching import lr_at, run_length, step_rows
 from elastic_ddp.checkpoint import CheckpointError, report
 from elastic_ddp.config import Config
 from elastic_ddp.positions import Position
@@ -31,11 +30,12 @@ from elastic_ddp.worker import fault_tolerance
 from elastic_ddp.worker.evaluation import evaluate
 from elastic_ddp.worker.faults import Fault
 from elastic_ddp.ledger import LedgerWriter
-from elastic_ddp.metrics import StepWindow, gradient_bytes
+from elastic_ddp.metrics import StepWindow
 from elastic_ddp.parallel.strategies import build_strategy
+from elastic_ddp.worker.micro_steps import forward_backward, restore_bn
 from elastic_ddp.worker.rank_loader import RankLoader
 from elastic_ddp.tasks.loading import build_model
-from elastic_ddp.tasks.protocol import model_inputs, parameter_dtype, split_loss
+from elastic_ddp.tasks.protocol import model_inputs, parameter_dtype
 from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
                                    Progress, StepError)
 from elastic_ddp.tracking import TrackerClient
@@ -234,7 +234,7 @@ class Trainer:
     def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this
         rank's rows in ``grad_accum_steps`` micro-batches (DDP ``no_sync`` on all but the
-        last), each micro-batch's loss weighted (``loss_weight``) so that the all-reduced
+        last), each micro-batch's loss weighted (``ft.loss_weight``) so that the all-reduced
         gradient is the exact mean over the step's rows. A step whose gradient is not
         finite on any rank is skipped by every rank (the same norm everywhere after the
         all-reduce). Returns False when the step was not committed (redo it)."""
@@ -266,7 +266,7 @@ class Trainer:
         probe = self.should_log(p.step + 1) and p.step > 0 and self.strategy.can_probe
         try:
             self.fault.at_step(p.step + 1)
-            sums, bn_saved = self._forward_backward(batch, rows, rank, n, probe)
+            sums, bn_saved = forward_backward(self, batch, rows, rank, n, probe)
             self.ledger.record(p.epoch, p.step + 1, ids, **self.ft.ledger_extra())
             # Per-step mode: the log step's metric sums ride in the gradient all-reduce.
             mine = (self.window.row_sums(sums) if self.ft.sums_in_step and self.should_log(p.step + 1)
@@ -275,7 +275,7 @@ class Trainer:
             if not ok:
                 self.strategy.optimizer.zero_grad(set_to_none=True)
                 if bn_saved is not None:
-                    self._restore_bn(bn_saved)
+                    restore_bn(bn_saved)
                 return False
             finite = self._update(sums, bn_saved, n)
         except Exception as e:
@@ -290,47 +290,6 @@ class Trainer:
         self.counters.uncommitted_train_s += dt
         self.window.add(n, dt, lr)
         return True
-
-    def _forward_backward(self, batch: dict, rows: list[int], rank: int, n: int, probe: bool):
-        """Every micro-batch's forward and backward; returns the per-micro-batch sums of
-        loss and metrics and the BatchNorm buffers to restore if the step is dropped."""
-        s, task, w, clock = self.strategy, self.task, self.window, self.window.clock(self.device)
-        accum = grad_accum_steps(rows, self.cfg.batch.micro_batch_size)
-        slices = micro_slices(rows[rank], accum)
-        smallest = [min(split_evenly(r, accum)[i] for r in rows) for i in range(accum)]
-        weight = self.ft.loss_weight(n)
-        bn_saved = self._save_bn() if self.has_batchnorm else None
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.parallel.bf16)
-        sums: list[tuple[float, dict, int]] = []
-        for i, (a, b) in enumerate(slices):
-            t = clock.start()
-            # An empty share still runs forward and backward (every rank joins every
-            # all-reduce): on the one-row sample, weighted 0, so tasks never see B = 0.
-            part = {k: v[a:b] for k, v in batch.items()} if b > a else self.job.sample["train"]
-            tensors = self._to_device(task.collate(part))
-            clock.stop("data", t)
-            ctx, kind = s.micro_step(i == len(slices) - 1, probe)
-            t = clock.start()
-            with ctx, batchnorm_guard(s.model, smallest[i]), autocast:
-                loss_vec, extra = split_loss(task.loss(s.model, tensors), max(1, b - a))
-                (loss_vec.float().sum() * (weight if b > a else 0.0)).backward()
-            clock.stop(kind, t)
-            w.micro[kind] = w.micro.get(kind, 0) + 1
-            tokens = task.tokens(tensors) if b > a else None
-            if tokens is not None:
-                w.tokens += tokens
-                w.token_task = True
-            # .item() is a device sync; free on CPU, one per micro-step on GPU.
-            if b > a:
-                sums.append((float(loss_vec.detach().float().sum()),
-                             {k: float(v.detach().float().sum()) for k, v in extra.items()}, b - a))
-            else:
-                # An empty share still names the task's metrics: every rank must send the
-                # same keys to the window's all-reduce (metrics.StepWindow.reduce).
-                sums.append((0.0, {k: 0.0 for k in extra}, 0))
-        if w.grad_bytes is None:
-            w.grad_bytes = gradient_bytes(s.model.parameters())
-        return sums, bn_saved
 
     def _update(self, sums: list, bn_saved, n: int) -> bool:
         """Clip and step the optimizer, or skip a step whose gradient is not finite."""
@@ -348,13 +307,9 @@ class Trainer:
         clock.stop("opt", t)
         return finite
 
-    def _restore_bn(self, bn_saved) -> None:
-        for buf, saved in bn_saved:
-            buf.copy_(saved)
-
     def _skip_step(self, bn_saved, n: int) -> None:
         if bn_saved is not None:  # the forward's batch statistics saw the non-finite rows
-            self._restore_bn(bn_saved)
+            restore_bn(bn_saved)
         self.counters.skipped_steps += 1
         self.counters.skipped_samples += n
         self._nonfinite_run += 1
@@ -370,11 +325,9 @@ class Trainer:
                 f"step {self.progress.step + 1}): look for NaN/inf in the data (nulls inside list "
                 "columns read as NaN) or lower optim.lr; train.max_nonfinite_steps sets the limit")
 
-    def _save_bn(self):
-        return [(b, b.detach().clone()) for m in self.strategy.module.modules()
-                if isinstance(m, BatchNormBase) for b in m.buffers()]
-
-    def _to_device(self, tensors: dict) -> dict:
+    def to_device(self, tensors: dict) -> dict:
+        """A collated batch's tensors on this rank's device, floating ones in the model's
+        parameter dtype (``tasks.protocol.model_inputs``)."""
         return model_inputs(tensors, self.device, self.input_dtype)
 
     def should_log(self, step: int) -> bool:
