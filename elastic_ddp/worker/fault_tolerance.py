@@ -23,7 +23,10 @@ The settings and the three torchft/Ray pitfalls the recipe avoids (docs/design.m
   and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it.
 
 Costs: one flat gradient copy and a torchft quorum (a few ms) per step; ``parallel.strategy``
-must be ``ddp`` without a comm hook (torchft replicates the model; no sharding).
+must be ``ddp`` without a comm hook (torchft replicates the model; no sharding). The logged
+train metrics are the whole global batch's: on log steps the replicas' row sums (a few
+floats) ride in the same all-reduce, so they cost no collective and fail and are redone
+with the step; the logged timings are the logging replica's own.
 
 The ``Trainer`` holds one fault-tolerance component and calls it at fixed points of the
 run (``build``): ``RestartFaultTolerance`` in ``restart`` mode (the plain DDP step; Ray
@@ -180,8 +183,8 @@ class RestartFaultTolerance:
     restarts the group from the last checkpoint (Ray Train). The step is plain DDP."""
 
     ledger_mode = "restart"
-    #: The torchft-summed row sums come with the step (``sync_gradients``): no; the metric
-    #: window reduces itself over the group on log steps.
+    #: Whether ``sync_gradients`` also sums the metric window's row sums: no, the window
+    #: reduces itself over the group on log steps (StepWindow.reduce).
     sums_in_step = False
 
     def __init__(self, trainer):
