@@ -14,6 +14,7 @@ from conftest import digits_config, mlflow_runs, replay_plain_torch
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.driver.launcher import train
+from elastic_ddp.run_state import Diagnostics
 
 # Each step at least STEP_S: the survivor is still training when the replacement (a new
 # Ray worker process: seconds) arrives. 45 steps an epoch (1,437 rows / 32): killed before
@@ -37,9 +38,9 @@ def _history(tmp, run_id: str, key: str) -> dict[int, float]:
 def test_metrics_flow_from_the_quorum_while_world_rank_0_is_dead(ray_cluster, digits_data, tmp_path):
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, JOB))
     per_epoch = math.ceil(len(read_sample_ids(digits_data / "train")) / 32)
-    s = train(cfg, progress=False,
-              fault={"rank": 0, "at_step": KILL_AT, "where": "step", "marker": str(tmp_path / "fired"),
-                     "step_s": STEP_S})
+    fault = {"rank": 0, "at_step": KILL_AT, "where": "step", "marker": str(tmp_path / "fired"),
+             "step_s": STEP_S}
+    s = train(cfg, progress=False, diagnostics=Diagnostics(fault=fault))
     assert (tmp_path / "fired").exists() and s.steps == per_epoch * EPOCHS
     runs = mlflow_runs(tmp_path)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
