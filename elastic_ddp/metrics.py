@@ -260,6 +260,9 @@ class StepWindow:
         self.grad_bytes: Optional[int] = None
         self.tokens = 0.0  # this rank's tokens (Task.tokens), summed over micro-batches
         self.token_task = False
+        # The window's row_sums() already summed over the step's quorum (per-step fault
+        # tolerance, set at a log step): used by reduce instead of its own reduction.
+        self.quorum_sums: Optional[dict[str, float]] = None
         self._clock: Optional[PhaseClock] = None
 
     def clock(self, device) -> PhaseClock:
@@ -273,6 +276,18 @@ class StepWindow:
         for k, v in metric_sums.items():
             self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
         self.count += count
+
+    def row_sums(self, pending: Iterable[tuple[float, Mapping[str, float], int]] = ()) -> dict[str, float]:
+        """This rank's sums over the window's rows, ``pending`` micro-batch sums (loss,
+        {name: sum}, rows) not yet added included: ``loss_sum``, ``count``, ``tokens`` and
+        ``m_<name>`` per task metric, keys sorted (every rank sends the same vector)."""
+        loss, count, metric = self.loss_sum, float(self.count), dict(self.metric_sums)
+        for loss_sum, metric_sums, rows in pending:
+            loss, count = loss + loss_sum, count + rows
+            for k, v in metric_sums.items():
+                metric[k] = metric.get(k, 0.0) + v
+        return {"loss_sum": loss, "count": count, "tokens": self.tokens,
+                **{f"m_{k}": metric[k] for k in sorted(metric)}}
 
     def add(self, n_rows: int, dt: float, lr: float) -> None:
         """One optimizer step of ``n_rows`` global rows that took ``dt`` seconds here."""
@@ -303,12 +318,12 @@ class StepWindow:
             per_rank["allreduce_exposed_s"] = (est * n_sync + probe_s) / n
         if self.probes:
             per_rank["allreduce_s"] = probe_s / self.probes
-        # Sorted: every rank must send the same keys in the same order.
-        names = sorted(self.metric_sums)
-        stats, sums = reduce_mean_max(
-            per_rank, ws, device,
-            extra_sums={"loss_sum": self.loss_sum, "count": float(self.count),
-                        "tokens": self.tokens, **{f"m_{k}": self.metric_sums[k] for k in names}})
+        if self.quorum_sums is None:
+            stats, sums = reduce_mean_max(per_rank, ws, device, extra_sums=self.row_sums())
+        else:
+            stats, _ = reduce_mean_max(per_rank, ws, device)
+            sums = self.quorum_sums
+        names = [k[2:] for k in sums if k.startswith("m_")]
         count = max(1.0, sums["count"])
         step_s_max = stats["step_time_s_max"] * n
         out = {k: v for k, v in stats.items() if not k.endswith("_min")}

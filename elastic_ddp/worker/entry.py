@@ -25,14 +25,9 @@ def train_func(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     scaling = job.config["scaling"]
     torch.set_num_threads(scaling.get("torch_threads") or max(1, int(scaling["cpus_per_worker"])))
-    cls = Trainer
-    if scaling.get("fault_tolerance") == "per_step":
-        from elastic_ddp.worker.fault_tolerance import per_step_trainer_class
-
-        cls = per_step_trainer_class()
     trainer = None
     try:
-        trainer = cls(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+        trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
         trainer._t_enter = t_enter
         trainer.restore(ray.train.get_checkpoint())
         trainer.fit()

@@ -33,7 +33,7 @@ def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) ->
     if t._eval_names is None:
         # Every rank, the same one-row forward (collective under FSDP): the metric
         # names, hence the reduction vector, are the same on every rank.
-        one = t._to_device(t.task.collate(t.job.sample["val"]))
+        one = t.to_device(t.task.collate(t.job.sample["val"]))
         t._eval_names = sorted(t.task.evaluate(s.model, one))
     names = t._eval_names
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)
@@ -43,9 +43,9 @@ def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) ->
             k = len(batch[val.id_column])
             if k == 0:  # FSDP: the same forward count on every rank (the sample row)
                 if s.collective_forward:
-                    t.task.evaluate(s.model, t._to_device(t.task.collate(t.job.sample["val"])))
+                    t.task.evaluate(s.model, t.to_device(t.task.collate(t.job.sample["val"])))
                 continue
-            out = t.task.evaluate(s.model, t._to_device(t.task.collate(batch)))
+            out = t.task.evaluate(s.model, t.to_device(t.task.collate(batch)))
             for i, name in enumerate(names):
                 sums[i] += float(out[name].float().sum())
             sums[-1] += k

@@ -23,7 +23,18 @@ The settings and the three torchft/Ray pitfalls the recipe avoids (docs/design.m
   and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it.
 
 Costs: one flat gradient copy and a torchft quorum (a few ms) per step; ``parallel.strategy``
-must be ``ddp`` without a comm hook (torchft replicates the model; no sharding).
+must be ``ddp`` without a comm hook (torchft replicates the model; no sharding). The logged
+train metrics are the whole global batch's: on log steps the replicas' row sums (a few
+floats) ride in the same all-reduce, so they cost no collective and fail and are redone
+with the step; the logged timings are the logging replica's own.
+
+The ``Trainer`` holds one fault-tolerance component and calls it at fixed points of the
+run (``build``): ``RestartFaultTolerance`` in ``restart`` mode (the plain DDP step; Ray
+Train restarts the group on a failure), ``PerStepFaultTolerance`` in ``per_step`` mode
+(torchft, imported only there: ``pip install 'elastic-ddp[ft]'``). Both have the same
+interface: ``begin_step``, ``loss_weight``, ``sync_gradients``, ``ledger_extra``,
+``may_report``, ``write_final``, ``state_dict``/``load_state_dict``, ``fit`` and ``roles``
+(``elastic_ddp.worker.roles``).
 """
 
 from __future__ import annotations
@@ -34,9 +45,11 @@ import os
 from datetime import timedelta
 from pathlib import Path
 from dataclasses import asdict
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+from elastic_ddp.worker.roles import PerStepRoles, RestartRoles
 
 # Lighthouse settings: the survivors' longest gap is the heartbeat timeout
 # (5 s by default, 0.6-0.8 s at 500 ms); one live replica may form a quorum.
@@ -78,7 +91,7 @@ class ReplicaGroup:
             checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=60), device=device))
         self.participant: Optional[int] = None
         self.participants = 0
-        self.quorum_id = 0
+        self._tries = (-1, 0)  # (committed step, quorums joined at it): compat's fallback id
 
     # -- one step ---------------------------------------------------------------------------
     def quorum(self) -> tuple[Optional[int], int]:
@@ -90,8 +103,16 @@ class ReplicaGroup:
         if self.participant is not None and not self.manager.is_participating():
             raise RuntimeError("torchft: a participant rank without participating (healing under "
                                "an asynchronous quorum); its share would be lost")
-        self.quorum_id += 1
+        step = self.manager.current_step()
+        self._tries = (step, self._tries[1] + 1 if self._tries[0] == step else 1)
         return self.participant, self.participants
+
+    @property
+    def quorum_id(self) -> int:
+        """The id of this step's quorum, the same on its participants (``compat.torchft``)."""
+        from elastic_ddp.compat.torchft import quorum_id
+
+        return quorum_id(self.manager, self._tries[1])
 
     @property
     def step(self) -> int:
@@ -103,14 +124,24 @@ class ReplicaGroup:
         """Every world rank is in this step's quorum (a barrier over all ranks is safe)."""
         return self.participants == self.world_size
 
-    def allreduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+    def allreduce_gradients(self, params: list[torch.nn.Parameter],
+                            sums: Optional[dict[str, float]] = None) -> Optional[dict[str, float]]:
         """SUM the gradients over the step's participants, in one flat buffer (a healing
         replica sends zeros). A failed all-reduce is swallowed by torchft and shows in
-        ``should_commit``."""
+        ``should_commit``.
+
+        ``sums``: values to SUM over the participants in the same buffer (the metric
+        window's row sums on a log step: no collective of their own, and they fail and
+        are redone with the step). Every participant passes the same keys in the same
+        order. Carried in the gradients' dtype (float32: ~1e-7 relative). Returns them
+        summed, or None without ``sums``."""
         from torch.distributed import ReduceOp
 
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        parts = [g.reshape(-1) for g in grads]
+        if sums is not None:
+            parts.append(torch.tensor(list(sums.values()), dtype=parts[0].dtype, device=parts[0].device))
+        flat = torch.cat(parts)
         if self.participant is None:
             flat.zero_()
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
@@ -118,6 +149,9 @@ class ReplicaGroup:
         for p, g in zip(params, grads):
             p.grad = flat[offset:offset + g.numel()].view_as(g)  # views of one buffer
             offset += g.numel()
+        if sums is None:
+            return None
+        return dict(zip(sums, flat[offset:].double().tolist()))
 
     def should_commit(self) -> bool:
         return bool(self.manager.should_commit())
@@ -135,123 +169,179 @@ def done_marker(storage: str, run_name: str) -> Optional[Path]:
     return Path(storage) / run_name / "run_markers" / f"done-{hashlib.sha1(addr.encode()).hexdigest()}"
 
 
-def per_step_trainer_class():
-    """The ``Trainer`` subclass of per-step fault tolerance (imported lazily: torchft is
-    an optional dependency, ``pip install 'elastic-ddp[ft]'``)."""
-    from elastic_ddp.worker.trainer import Counters, Progress, Trainer
+def build(trainer) -> "RestartFaultTolerance | PerStepFaultTolerance":
+    """The fault-tolerance component of ``trainer``'s mode (``scaling.fault_tolerance``).
+    Built before the trainer's strategy (its ``comm_size`` sizes the strategy); it reads
+    the trainer's model and state only when called."""
+    if trainer.cfg.scaling.fault_tolerance == "per_step":
+        return PerStepFaultTolerance(trainer)
+    return RestartFaultTolerance(trainer)
 
-    class PerStepTrainer(Trainer):
-        """A replica group of its own; each step's quorum decides who computes which
-        rows, and whether the step is applied (see the module docstring)."""
 
-        shares_process_group = False  # torchft's own process group joins the replicas
+class RestartFaultTolerance:
+    """``restart`` mode: every worker in one torch.distributed group (DDP); a failure
+    restarts the group from the last checkpoint (Ray Train). The step is plain DDP."""
 
-        def __init__(self, job, rank: int, world_size: int, device):
-            super().__init__(job, rank, world_size, device)
-            s = self.cfg.scaling
-            self.ft = ReplicaGroup(rank, world_size, device, s.min_workers, self._peer_state,
-                                   self._load_peer_state, s.collective_timeout_s)
-            self.marker = done_marker(job.storage, self.cfg.run.name)
+    ledger_mode = "restart"
+    #: Whether ``sync_gradients`` also sums the metric window's row sums: no, the window
+    #: reduces itself over the group on log steps (StepWindow.reduce).
+    sums_in_step = False
 
-        # -- torchft's view of the state: what a healing replica receives ------------
-        def _peer_state(self) -> dict:
-            s = self.strategy
-            return {"model": s.module.state_dict(), "optimizer": s.optimizer.state_dict(),
-                    "progress": asdict(self.progress), "counters": asdict(self.counters)}
+    def __init__(self, trainer):
+        self.t = trainer
+        self.comm_size = trainer.world_size  # ranks of the strategy's process group
+        self.roles = RestartRoles(trainer.rank, trainer.world_size)
 
-        def _load_peer_state(self, state: dict) -> None:
-            s = self.strategy
-            s.module.load_state_dict(state["model"])
-            s.optimizer.load_state_dict(state["optimizer"])
-            # In place: the loop holds these objects.
-            self.progress.__dict__.update(Progress(**state["progress"]).__dict__)
-            seen = self.counters.world_sizes_seen
-            self.counters.__dict__.update(Counters(**state["counters"]).__dict__)
-            self.counters.world_sizes_seen = seen
-            # The position moved forward: the reader warmed at the restored cursor
-            # (fit) serves it if it is in the same epoch (Trainer.ensure_reader).
+    def begin_step(self) -> tuple[Optional[int], int]:
+        """This step's data view: (this rank's index, ranks sharing the step)."""
+        return self.t.rank, self.t.world_size
 
-        def state_dict(self) -> dict:
-            return {**super().state_dict(), "torchft": self.ft.manager.state_dict()}
+    def loss_weight(self, n: int) -> float:
+        """Per-sample loss weight of a step of ``n`` rows: DDP averages gradients over the
+        ranks, so ``world_size / n`` gives the mean over the step's rows."""
+        return self.t.world_size / n
 
-        def load_state_dict(self, state: dict) -> None:
-            super().load_state_dict(state)
-            if "torchft" in state:
-                self.ft.manager.load_state_dict(state["torchft"])
+    def sync_gradients(self, probe: bool, sums: Optional[dict] = None) -> tuple[bool, Optional[dict]]:
+        """After the backward passes: the probe step's explicit all-reduce (DDP did the
+        others inside backward). Returns (whether the step may be applied, None)."""
+        if probe:
+            w = self.t.window
+            clock = w.clock(self.t.device)
+            t = clock.start()
+            self.t.strategy.allreduce_gradients()
+            clock.stop("allreduce_probe", t)
+            w.probes += 1
+        return True, None
 
-        # -- a step --------------------------------------------------------------------
-        def begin_step(self):
-            prank, n = self.ft.quorum()
-            return prank, n
+    def ledger_extra(self) -> dict:
+        return {}
 
-        def loss_weight(self, n: int) -> float:
-            return 1.0 / n  # the all-reduce SUMs over the participants
+    def may_report(self) -> bool:
+        """Whether ``ray.train.report`` (a barrier over every world rank) may be called."""
+        return True
 
-        def sync_gradients(self, probe: bool) -> bool:
-            self.ft.allreduce_gradients([p for p in self.strategy.module.parameters() if p.requires_grad])
-            return self.ft.should_commit()
+    def write_final(self) -> None:
+        """Never called: every checkpoint is reported (``may_report``)."""
 
-        def ledger_extra(self) -> dict:
-            return {"quorum": int(self.ft.manager._quorum_id), "n": self.ft.participants}
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
-        # -- checkpoints, evaluation, the end -----------------------------------------
-        def checkpoint(self, metrics: dict, final: bool = False) -> None:
-            """Reported (a barrier over every world rank) only by a full quorum; the run's
-            final state from a partial quorum goes straight to storage."""
-            if self.ft.full:
-                return super().checkpoint(metrics, final)
-            if final and self.ft.participant == 0:
-                self._write_direct()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
-        def _write_direct(self) -> None:
-            import tempfile
+    def fit(self, loop: Callable[[], None]) -> None:
+        loop()
 
-            from elastic_ddp.checkpoint import MANIFEST, save_state
-            from elastic_ddp.paths import uri_to_filesystem
 
-            c = self.counters
-            c.committed_train_s += c.uncommitted_train_s
-            c.uncommitted_train_s = 0.0
-            fs, base = uri_to_filesystem(self.job.storage)
-            dest = f"{base.rstrip('/')}/{self.cfg.run.name}/checkpoint_step{self.progress.step:08d}"
-            with tempfile.TemporaryDirectory(prefix="elastic-ddp-ckpt-") as d:
-                save_state(d, self.state_dict(), config=self.job.config)
-                fs.create_dir(dest, recursive=True)
-                # The manifest last: a copy cut short is no complete checkpoint.
-                for f in sorted(Path(d).iterdir(), key=lambda f: f.name == MANIFEST):
-                    with fs.open_output_stream(f"{dest}/{f.name}") as out:
-                        out.write(f.read_bytes())
+class PerStepFaultTolerance:
+    """``per_step`` mode: a replica group of its own; each step's quorum decides who
+    computes which rows, and whether the step is applied (see the module docstring)."""
 
-        def evaluate(self) -> dict:
-            """Participant 0 of the step's quorum evaluates the whole val split alone: no
-            collective that a replica's death could break mid-way."""
-            if self.ft.participant != 0:
-                return {}
-            from elastic_ddp.worker.evaluation import evaluate
+    ledger_mode = "per_step"
+    sums_in_step = True  # the metric window's row sums ride in the gradient all-reduce
+    comm_size = 1  # torchft's own process group joins the replicas
 
-            out = evaluate(self, rank=0, world_size=1)
-            if out:
-                self.tracker.log_metrics(out, self.progress.step)
-            return out
+    def __init__(self, trainer):
+        self.t = t = trainer
+        s = t.cfg.scaling
+        self.group = ReplicaGroup(t.rank, t.world_size, t.device, s.min_workers, self._peer_state,
+                                  self._load_peer_state, s.collective_timeout_s)
+        self.marker = done_marker(t.job.storage, t.cfg.run.name)
+        self.roles = PerStepRoles(t.rank, self.group)
 
-        def fit(self) -> None:
-            if self.marker is not None and self.marker.exists():
-                self.ft.shutdown()  # the run is over: a late replacement must not retrain it
-                return
-            self.ledger_mode = "per_step"
-            try:
-                if not self.done and self.cfg.data.order == "windowed":
-                    # Read this rank's first round before joining a quorum: a replacement
-                    # then takes its share at once, and the survivors do not wait in their
-                    # all-reduce while it reads (a peer's state moves the cursor a few
-                    # steps on, within the windows read here).
-                    self.ensure_reader(self.rank, self.world_size)
-                    self._reader.warm()
-                super().fit()
-            finally:
-                if self.marker is not None and self.done:
-                    self.marker.parent.mkdir(parents=True, exist_ok=True)
-                    self.marker.touch()
-                self.ft.shutdown()
+    # -- torchft's view of the state: what a healing replica receives ----------------
+    def _peer_state(self) -> dict:
+        t = self.t
+        s = t.strategy
+        return {"model": s.module.state_dict(), "optimizer": s.optimizer.state_dict(),
+                "progress": asdict(t.progress), "counters": asdict(t.counters)}
 
-    return PerStepTrainer
+    def _load_peer_state(self, state: dict) -> None:
+        from elastic_ddp.run_state import Counters, Progress
+
+        t = self.t
+        s = t.strategy
+        s.module.load_state_dict(state["model"])
+        s.optimizer.load_state_dict(state["optimizer"])
+        # In place: the loop holds these objects.
+        t.progress.__dict__.update(Progress(**state["progress"]).__dict__)
+        seen = t.counters.world_sizes_seen
+        t.counters.__dict__.update(Counters(**state["counters"]).__dict__)
+        t.counters.world_sizes_seen = seen
+        # The position moved forward: the reader warmed at the restored cursor
+        # (fit) serves it if it is in the same epoch (RankLoader.ensure).
+
+    def state_dict(self) -> dict:
+        return {"torchft": self.group.manager.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "torchft" in state:
+            self.group.manager.load_state_dict(state["torchft"])
+
+    # -- a step --------------------------------------------------------------------------
+    def begin_step(self) -> tuple[Optional[int], int]:
+        """This step's quorum: (this replica's participant rank, None while it heals;
+        the number of participants)."""
+        return self.group.quorum()
+
+    def loss_weight(self, n: int) -> float:
+        return 1.0 / n  # the all-reduce SUMs over the participants
+
+    def sync_gradients(self, probe: bool, sums: Optional[dict] = None) -> tuple[bool, Optional[dict]]:
+        """The step's one all-reduce (gradients, and ``sums`` on a log step) and torchft's
+        commit decision: (whether the step may be applied, ``sums`` summed over the
+        quorum or None)."""
+        params = [p for p in self.t.strategy.module.parameters() if p.requires_grad]
+        summed = self.group.allreduce_gradients(params, sums)
+        return self.group.should_commit(), summed
+
+    def ledger_extra(self) -> dict:
+        return {"quorum": self.group.quorum_id, "n": self.group.participants}
+
+    # -- checkpoints, the end ------------------------------------------------------------
+    def may_report(self) -> bool:
+        """Checkpoints are reported (a barrier over every world rank) only by a full
+        quorum; the run's final state from a partial quorum goes straight to storage
+        (``write_final``, by the lead)."""
+        return self.group.full
+
+    def write_final(self) -> None:
+        import tempfile
+
+        from elastic_ddp.checkpoint import MANIFEST, save_state
+        from elastic_ddp.paths import uri_to_filesystem
+
+        t = self.t
+        c = t.counters
+        c.committed_train_s += c.uncommitted_train_s
+        c.uncommitted_train_s = 0.0
+        fs, base = uri_to_filesystem(t.job.storage)
+        dest = f"{base.rstrip('/')}/{t.cfg.run.name}/checkpoint_step{t.progress.step:08d}"
+        with tempfile.TemporaryDirectory(prefix="elastic-ddp-ckpt-") as d:
+            save_state(d, t.state_dict(), config=t.job.config)
+            fs.create_dir(dest, recursive=True)
+            # The manifest last: a copy cut short is no complete checkpoint.
+            for f in sorted(Path(d).iterdir(), key=lambda f: f.name == MANIFEST):
+                with fs.open_output_stream(f"{dest}/{f.name}") as out:
+                    out.write(f.read_bytes())
+
+    def fit(self, loop: Callable[[], None]) -> None:
+        """Run ``loop`` (the trainer's) between the done-marker check and torchft's
+        shutdown."""
+        t = self.t
+        if self.marker is not None and self.marker.exists():
+            self.group.shutdown()  # the run is over: a late replacement must not retrain it
+            return
+        try:
+            if not t.done and t.cfg.data.order == "windowed":
+                # Read this rank's first round before joining a quorum: a replacement
+                # then takes its share at once, and the survivors do not wait in their
+                # all-reduce while it reads (a peer's state moves the cursor a few
+                # steps on, within the windows read here).
+                t.warm_reader()
+            loop()
+        finally:
+            if self.marker is not None and t.done:
+                self.marker.parent.mkdir(parents=True, exist_ok=True)
+                self.marker.touch()
+            self.group.shutdown()
