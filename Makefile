@@ -15,11 +15,11 @@ TORCH_SPEC ?= torch==2.13.0
 # Quiet (-qq: errors only, no build-backend chatter): `make train` on a fresh clone
 # prints one set-up line, then the job.
 $(STAMP): pyproject.toml
-	@echo "setting up $(VENV): pip, $(or $(TORCH_SPEC),the existing torch), elastic-ddp with the dev and examples extras"
+	@echo "setting up $(VENV): pip, $(or $(TORCH_SPEC),the existing torch), elastic-ddp with the dev, examples and hf extras"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -qq --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -qq "$(TORCH_SPEC)"; fi
-	@$(PY) -m pip install -qq -e ".[dev,examples]"
+	@$(PY) -m pip install -qq -e ".[dev,examples,hf]"
 	@touch $(STAMP)
 
 setup: $(STAMP)

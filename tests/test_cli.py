@@ -236,6 +236,7 @@ def test_every_runtime_dependency_is_imported_and_sklearn_is_an_extra():
     assert unused == []  # pandas was declared and never imported
     assert "scikit-learn" not in _requirements()
     assert "scikit-learn" in _requirements("examples")
-    # make setup (and so make train / make test) installs the extra prepare digits needs.
-    assert re.search(r'pip install .*-e "\.\[dev,examples\]"', (REPO / "Makefile").read_text())
+    # make setup (and so make train / make test) installs the extra prepare digits needs,
+    # and the hf extra of the Hugging Face example (tests/test_example_hf.py).
+    assert re.search(r'pip install .*-e "\.\[dev,examples,hf\]"', (REPO / "Makefile").read_text())
     assert metadata.metadata("elastic-ddp")["License-Expression"] == "Apache-2.0"
