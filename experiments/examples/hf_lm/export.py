@@ -1,7 +1,7 @@
 """The trained model in the Hugging Face format, from an elastic-ddp checkpoint, and its
 validation loss measured with ``transformers`` alone.
 
-    python experiments/examples/hf_lm/export.py ray_results/hf-lm out/hf-lm --val data/hf_lm/val
+    python experiments/examples/hf_lm/export.py ray_results/hf-lm outputs/hf-lm --val data/hf_lm/val
 
 ``CHECKPOINT``: a ``checkpoint_step<k>`` directory, or the run's directory above them
 (the newest complete one is taken). ``OUT`` receives ``save_pretrained``'s files: the
