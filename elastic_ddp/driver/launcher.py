@@ -300,10 +300,8 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         trainer.controller_host = host
         marks["fit_called"] = time.time()
         try:
-            if progress:
-                with ProgressDisplay(tracker, total):
-                    result = trainer.fit()
-            else:
+            # Without progress lines it still prints the tracker's warnings (data wait).
+            with ProgressDisplay(tracker, total, show=progress):
                 result = trainer.fit()
         except BaseException:
             _after_failed_fit(tracker)

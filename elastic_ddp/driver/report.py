@@ -177,13 +177,19 @@ def format_summary(s: Summary) -> str:
 class ProgressDisplay:
     """Driver-side progress: polls the tracker actor's latest metrics every ``period``
     seconds. A rich live bar on a terminal, a plain line every ``line_every`` steps
-    otherwise (no colour codes off a terminal)."""
+    otherwise (no colour codes off a terminal); ``show=False``: no progress at all.
 
-    def __init__(self, tracker, total_steps: int, period: float = 2.0):
-        self.tracker, self.total, self.period = tracker, total_steps, period
+    Either way it prints each of the tracker's notices once, as it arrives, to stderr
+    (``elastic-ddp: warning: ...``; above the live bar on a terminal), and once more polls
+    for them on exit, so that a notice raised after the last poll is printed too."""
+
+    def __init__(self, tracker, total_steps: int, period: float = 2.0, show: bool = True):
+        self.tracker, self.total, self.period, self.show = tracker, total_steps, period, show
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._last = -1
+        self._notices_seen = 0
+        self._notice_lock = threading.Lock()
 
     def __enter__(self):
         self._thread.start()
@@ -192,11 +198,25 @@ class ProgressDisplay:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=5)
+        self._print_notices(timeout=5)
+
+    def _print_notices(self, timeout: float = 10) -> None:
+        """Print the notices not printed yet (display only: an unreachable tracker is skipped)."""
+        import ray
+
+        with self._notice_lock:
+            try:
+                new = ray.get(self.tracker.get_notices.remote(self._notices_seen), timeout=timeout)
+            except Exception:  # noqa: BLE001 - display only
+                return
+            for n in new:
+                print(f"elastic-ddp: warning: {n['message']}", file=sys.stderr, flush=True)
+            self._notices_seen += len(new)
 
     def _loop(self) -> None:
         import ray
 
-        tty = sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
+        tty = self.show and sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
         bar = task = None
         if tty:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -208,6 +228,9 @@ class ProgressDisplay:
         line_every = max(1, self.total // 10)
         try:
             while not self._stop.wait(self.period):
+                self._print_notices()
+                if not self.show:
+                    continue
                 try:
                     m = ray.get(self.tracker.progress.remote(), timeout=10)
                 except Exception:  # noqa: BLE001 - display only

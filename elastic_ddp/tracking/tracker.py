@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
                                         WORLD_SIZES_TAG, display_rank, is_transient, client,
                                         metric_key, run_info)
@@ -21,7 +22,10 @@ class JobTracker:
     by :func:`start_tracker`. Methods are called by workers (rank 0), the controller's
     callbacks and the driver.
 
-    Kept for the driver: ``latest`` metrics (progress), ``attempts`` (per worker-group
+    Kept for the driver: ``latest`` metrics (progress), ``notices`` (warnings for the
+    console, each once: the data-wait warning of :mod:`elastic_ddp.tracking.data_wait`,
+    also the run's tag ``elastic_ddp.warning.data_wait`` and ``warnings/data_wait.txt``),
+    ``attempts`` (per worker-group
     start: world size and the start-up marks ``enter``/``ready``/``first_step`` in
     seconds since the epoch, and the first step), ``events`` (failures, resizes) and the
     controller ``timeline``, and the write counters ``delayed``/``dropped``.
@@ -36,6 +40,8 @@ class JobTracker:
         self.unavailable_s = 0.0
         self._early_updates: dict[int, dict[str, Any]] = {}
         self.latest: dict[str, float] = {}
+        self.notices: list[dict[str, Any]] = []
+        self._data_wait = DataWaitWatch()
         self.attempts: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
@@ -81,6 +87,11 @@ class JobTracker:
                 if key is not None:
                     self._metrics.append((key, float(v), ts, int(step)))
                 self.latest[k] = float(v)
+            warning = self._data_wait.add(metrics, step)
+            if warning is not None:
+                self.notices.append(dict(self._data_wait.fired))
+                self._tags[DATA_WAIT_TAG] = warning
+                self._artifacts["warnings/data_wait.txt"] = warning + "\n"
             if len(self._metrics) > MAX_BUFFERED_METRICS:
                 extra = len(self._metrics) - MAX_BUFFERED_METRICS
                 del self._metrics[:extra]
@@ -144,9 +155,15 @@ class JobTracker:
         with self._lock:
             return dict(self.latest)
 
+    def get_notices(self, since: int = 0) -> list[dict[str, Any]]:
+        """The notices from index ``since`` on (``{"kind", "step", "message", ...}``)."""
+        with self._lock:
+            return [dict(n) for n in self.notices[since:]]
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"latest": dict(self.latest), "attempts": [dict(a) for a in self.attempts],
+            return {"latest": dict(self.latest), "notices": [dict(n) for n in self.notices],
+                    "attempts": [dict(a) for a in self.attempts],
                     "events": [dict(e) for e in self.events], "timeline": list(self.timeline),
                     "delayed": self.delayed, "dropped": self.dropped,
                     "pending": len(self._metrics), "last_error": self.last_error,
