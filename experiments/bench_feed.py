@@ -145,7 +145,7 @@ def _task_module(tmp: Path):
 def run_elastic(data: Path, tmp: Path, task_path: Path, batch: int, epochs: int, warmup: int) -> dict:
     from mlflow.tracking import MlflowClient
 
-    from elastic_ddp import train
+    from elastic_ddp import Diagnostics, train
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.ledger import audit
@@ -162,7 +162,7 @@ def run_elastic(data: Path, tmp: Path, task_path: Path, batch: int, epochs: int,
         "run": {"name": "bench-feed", "experiment_name": "bench-feed", "tracking_uri": uri,
                 "storage_path": str(tmp / "ray_results")}})
     ledger = tmp / "ledger"
-    s = train(cfg, progress=False, ledger_dir=str(ledger))
+    s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
     # Step ends from the ledger: wall clock between steps, everything in between included
     # (the reader's blocking reads outside the step, logging, the epoch's validation).
     ends = []

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ddp import TransformContext, pad_sequences, train
+from elastic_ddp import Diagnostics, TransformContext, pad_sequences, train
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids, scan_parquet
 from elastic_ddp.ledger import audit, format_audit
@@ -146,8 +146,8 @@ def test_hf_lm_survives_a_sigkill_and_round_trips_through_save_pretrained(ray_cl
                   "train.checkpoint_every_steps=4", "train.log_every_steps=4",
                   "optim.lr=0.005", "optim.warmup_steps=4")
     ledger, marker = tmp_path / "ledger", tmp_path / "fired"
-    summary = train(cfg, ledger_dir=str(ledger), progress=False,
-                    fault={"rank": 1, "at_step": 9, "where": "step", "marker": str(marker)})
+    summary = train(cfg, progress=False, diagnostics=Diagnostics(
+        ledger_dir=str(ledger), fault={"rank": 1, "at_step": 9, "where": "step", "marker": str(marker)}))
     n_train = len(read_sample_ids(hf_data / "train"))
     steps = math.ceil(n_train / 16)
     print(f"\n[examples hf_lm] {summary.metrics} steps {summary.steps}")
