@@ -75,7 +75,7 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
     prev_attempt = None
     for ev in events:
         nxt = [a for a in attempts if a["first_step"] > ev["t"]]
-        if not nxt:
+        if not nxt or ev.get("type") == "checkpoint_rejected":  # not a restart
             continue
         ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
         ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))

@@ -33,7 +33,6 @@ import logging
 import os
 from datetime import timedelta
 from pathlib import Path
-from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
@@ -155,27 +154,25 @@ def per_step_trainer_class():
 
         # -- torchft's view of the state: what a healing replica receives ------------
         def _peer_state(self) -> dict:
-            s = self.strategy
-            return {"model": s.module.state_dict(), "optimizer": s.optimizer.state_dict(),
-                    "progress": asdict(self.progress), "counters": asdict(self.counters)}
+            return self.state_dict()  # CheckpointManager.live_state
 
         def _load_peer_state(self, state: dict) -> None:
-            s = self.strategy
-            s.module.load_state_dict(state["model"])
-            s.optimizer.load_state_dict(state["optimizer"])
+            from elastic_ddp.checkpoint.manager import CheckpointManager
+
+            run = CheckpointManager.load_live_state(self.strategy, state)
             # In place: the loop holds these objects.
-            self.progress.__dict__.update(Progress(**state["progress"]).__dict__)
+            self.progress.__dict__.update(Progress(**run["progress"]).__dict__)
             seen = self.counters.world_sizes_seen
-            self.counters.__dict__.update(Counters(**state["counters"]).__dict__)
+            self.counters.__dict__.update(Counters(**run["counters"]).__dict__)
             self.counters.world_sizes_seen = seen
             # The position moved forward: the reader warmed at the restored cursor
             # (fit) serves it if it is in the same epoch (Trainer.ensure_reader).
 
-        def state_dict(self) -> dict:
-            return {**super().state_dict(), "torchft": self.ft.manager.state_dict()}
+        def run_state(self) -> dict:
+            return {**super().run_state(), "torchft": self.ft.manager.state_dict()}
 
-        def load_state_dict(self, state: dict) -> None:
-            super().load_state_dict(state)
+        def load_run_state(self, state: dict) -> None:
+            super().load_run_state(state)
             if "torchft" in state:
                 self.ft.manager.load_state_dict(state["torchft"])
 
@@ -204,23 +201,13 @@ def per_step_trainer_class():
                 self._write_direct()
 
         def _write_direct(self) -> None:
-            import tempfile
-
-            from elastic_ddp.checkpoint import MANIFEST, save_state
-            from elastic_ddp.paths import uri_to_filesystem
-
+            """The final state straight to storage, by this replica alone (no report:
+            Ray Train's barrier would wait for replicas outside the quorum)."""
             c = self.counters
             c.committed_train_s += c.uncommitted_train_s
             c.uncommitted_train_s = 0.0
-            fs, base = uri_to_filesystem(self.job.storage)
-            dest = f"{base.rstrip('/')}/{self.cfg.run.name}/checkpoint_step{self.progress.step:08d}"
-            with tempfile.TemporaryDirectory(prefix="elastic-ddp-ckpt-") as d:
-                save_state(d, self.state_dict(), config=self.job.config)
-                fs.create_dir(dest, recursive=True)
-                # The manifest last: a copy cut short is no complete checkpoint.
-                for f in sorted(Path(d).iterdir(), key=lambda f: f.name == MANIFEST):
-                    with fs.open_output_stream(f"{dest}/{f.name}") as out:
-                        out.write(f.read_bytes())
+            self.ckpt.save(self.progress.step, self.strategy, self.run_state(), report=False,
+                           writer=True)
 
         def evaluate(self) -> dict:
             """Participant 0 of the step's quorum evaluates the whole val split alone: no

@@ -1,0 +1,379 @@
+"""The checkpoint manager: the only writer and reader of the checkpoint schema
+(``elastic_ddp.checkpoint.layout``), for both fault-tolerance modes, for a healing
+replica's live state and for the driver's final model.
+
+    ckpt = CheckpointManager(storage, run_name, config, rank, world_size, collective=True)
+    ckpt.save(step, strategy, run_state, metrics)        # every rank; a Ray Train report
+    found = ckpt.restore(strategy)                       # every rank; (run_state, path) or None
+
+Sharded: every rank writes its own part of the model and optimizer state with
+``torch.distributed.checkpoint`` (DCP) straight into the checkpoint directory on
+storage, and reads back only the parts its own shards need. FSDP's parameters and
+optimizer state are DTensors (each rank its shards); ZeRO-1's optimizer state is each
+rank's partition, keyed by parameter name; DDP's replicated state is split among the ranks
+by DCP's planner (each tensor written once). The optimizer state is flattened (one key
+per parameter and state), so a checkpoint written at N ranks loads at any M: DCP
+reshards on load. No rank ever holds the full state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.checkpoint.layout import (
+    CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
+    bad_files, checkpoint_name, complete_checkpoints, describe, file_record, incomplete_checkpoints,
+    is_complete,
+    read_manifest, run_dir)
+
+#: What a run state holds (JSON): the trainer's progress and counters, the data it was
+#: written on, and per-step fault tolerance's torchft step counters.
+RUN_KEYS = ("progress", "counters", "data", "torchft")
+
+
+def _already_persisted(checkpoint, _dir_name: str):
+    """Ray Train's ``checkpoint_upload_fn``: the ranks wrote the checkpoint on storage."""
+    return checkpoint
+
+
+class CheckpointManager:
+    """One rank's view of the run's checkpoints.
+
+    Args:
+        storage, run_name: ``run.storage_path`` (a path or a URI) and ``run.name``;
+            checkpoints live in ``storage/run_name/checkpoint_step<k>``.
+        config: the job's config (``config.json`` of each checkpoint).
+        rank, world_size: this worker in the job.
+        collective: the ranks share a torch.distributed group (restart mode with several
+            workers): they write and read one checkpoint together. False: one rank
+            writes the whole (replicated) state alone (per-step fault tolerance, one worker).
+        log: a line for the run's log (rank 0's). tracker: where a rejected checkpoint is
+            recorded as an event (``TrackerClient``; None: not recorded).
+    """
+
+    def __init__(self, storage: str, run_name: str, config: Optional[dict], rank: int,
+                 world_size: int, collective: bool, log: Callable[[str], None] = print,
+                 tracker=None, strategy_name: str = "ddp"):
+        self.storage, self.run_name, self.config = storage, run_name, config
+        self.rank, self.world_size, self.collective = rank, world_size, collective
+        self.log, self.tracker, self.strategy_name = log, tracker, strategy_name
+
+    # ------------------------------------------------------------------ state to DCP
+    @staticmethod
+    def model_optimizer_state(strategy) -> dict[str, Any]:
+        """The DCP state of ``strategy``: ``model`` (parameter names without DDP's prefix;
+        DTensors under FSDP) and ``optim`` (flattened: ``state.<param>.<key>``,
+        ``param_groups.<param>.<key>``; ZeRO-1: this rank's partition). Every rank calls
+        it (FSDP: collective). A fresh optimizer's state is created by one zero step."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opt = strategy.optimizer
+        local = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this rank's partition
+        model, optim = get_state_dict(strategy.module, local,
+                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"model": model, "optim": optim}
+
+    @staticmethod
+    def _set_model_optimizer_state(strategy, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        opt = strategy.optimizer
+        local = getattr(opt, "optim", opt)
+        set_state_dict(strategy.module, local, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def _hook_state(self, strategy) -> dict[str, torch.Tensor]:
+        """PowerSGD's state as DCP keys: iteration, warm-start P/Q (replicated) and this
+        rank's error feedback (``err<rank>.<bucket>``)."""
+        h = strategy.hook_state
+        out = {"iter": torch.tensor(int(h.iter)), "world_size": torch.tensor(self.world_size)}
+        out.update({f"p.{k}": v.detach().cpu() for k, v in h.p_memory_dict.items()})
+        out.update({f"q.{k}": v.detach().cpu() for k, v in h.q_memory_dict.items()})
+        out.update({f"err{self.rank}.{k}": v.detach().cpu() for k, v in h.error_dict.items()})
+        return out
+
+    # ------------------------------------------------------------------------ save
+    def save(self, step: int, strategy, run_state: dict, metrics: Optional[dict] = None,
+             report: bool = True, writer: bool = True,
+             fault_hook: Optional[Callable[[str], None]] = None) -> Optional[str]:
+        """Write the checkpoint of ``step`` into storage and, with ``report``, commit it
+        through ``ray.train.report`` (a barrier over every rank; registered by Ray Train
+        once every rank reported). Every rank calls it. Not ``collective``: only the
+        ``writer`` writes. Returns the checkpoint's path (the writing ranks).
+
+        Costs: each rank's share of the state serialised once and read once more for its
+        crc32; one ``all_gather_object`` of the file records; rank 0 writes the small files.
+        ``fault_hook(shard_path)``: a test hook run after the shards are written and before
+        the manifest (the window a crash must not turn into a checkpoint)."""
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
+
+        import pyarrow.fs as pafs
+
+        fs, base = run_dir(self.storage, self.run_name)
+        name = checkpoint_name(step)
+        dest = f"{base}/{name}"
+        writes = self.collective or writer
+        lead = self.rank == 0 if self.collective else writer
+        local = isinstance(fs, pafs.LocalFileSystem)
+        if lead:
+            # A directory of this step is a write cut short, or one a restore rejected.
+            if fs.get_file_info(dest).type != pafs.FileType.NotFound:
+                fs.delete_dir(dest)
+            fs.create_dir(dest, recursive=True)
+        self._barrier()
+        path = None
+        if writes:
+            state = self.model_optimizer_state(strategy)
+            if strategy.hook_state is not None:
+                state["comm_hook"] = self._hook_state(strategy)
+            target = dest if local else tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
+            try:
+                dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
+                me = self.rank if self.collective else 0
+                mine = sorted(f for f in os.listdir(target) if f.startswith(f"__{me}_"))
+                if lead:
+                    mine.append(".metadata")
+                if not local:
+                    for f in mine:
+                        pafs.copy_files(os.path.join(target, f), f"{dest}/{f}",
+                                        destination_filesystem=fs)
+                records = {f: file_record(pafs.LocalFileSystem(), os.path.join(target, f))
+                           for f in mine}
+                if fault_hook is not None and mine:
+                    fault_hook(os.path.join(target, mine[0]))
+            finally:
+                if not local:
+                    shutil.rmtree(target, ignore_errors=True)
+            files = self._gather(records)
+            if lead:
+                self._write_small(fs, dest, step, run_state, files)
+            path = dest
+        if report:
+            import ray.train
+            from ray.train import Checkpoint
+
+            ray.train.report({k: float(v) for k, v in (metrics or {}).items()},
+                             checkpoint=Checkpoint(dest, filesystem=fs) if lead else None,
+                             checkpoint_dir_name=name, checkpoint_upload_fn=_already_persisted)
+        return path
+
+    def _write_small(self, fs, dest: str, step: int, run_state: dict, files: dict) -> None:
+        """run_state.json, config.json, then the manifest (to a temporary name, moved)."""
+        small = {RUN_STATE: json.dumps({"format": FORMAT, **run_state}, indent=1).encode()}
+        if self.config is not None:
+            small[CONFIG] = json.dumps(self.config, indent=2).encode()
+        for n, data in small.items():
+            with fs.open_output_stream(f"{dest}/{n}") as out:
+                out.write(data)
+            files[n] = {"bytes": len(data), "crc32": __import__("zlib").crc32(data)}
+        manifest = {"format": FORMAT, "step": step, "world_size": self.world_size,
+                    "strategy": self.strategy_name, "files": dict(sorted(files.items()))}
+        with fs.open_output_stream(f"{dest}/{MANIFEST}.tmp") as out:
+            out.write(json.dumps(manifest, indent=1).encode())
+        fs.move(f"{dest}/{MANIFEST}.tmp", f"{dest}/{MANIFEST}")
+
+    # --------------------------------------------------------------------- restore
+    def restore(self, strategy, ray_checkpoint=None) -> Optional[tuple[dict, str]]:
+        """Load the newest checkpoint that verifies into ``strategy``; every rank calls it.
+        Candidates: the run's complete checkpoints in storage, newest first (a report the
+        controller had not registered yet included), else Ray Train's. Each rank checks
+        the crc32 of its share of the files; a checkpoint with a bad file is named in a
+        warning and a ``checkpoint_rejected`` event, and the next older one is tried.
+
+        Returns:
+            (the run state, the checkpoint's path), or None: no checkpoint (a fresh start).
+        Raises:
+            CheckpointCorruptError: checkpoints exist and none verifies.
+            CheckpointError: the newest that verifies does not fit this config's model.
+        """
+        fs = None
+        cands: list[str] = []
+        if self.storage:
+            fs, _ = run_dir(self.storage, self.run_name)
+            cands = [p for _, p in complete_checkpoints(self.storage, self.run_name, sizes=False)]
+        if not cands and ray_checkpoint is not None:
+            fs, cands = ray_checkpoint.filesystem, [ray_checkpoint.path]
+        cands = self._broadcast(cands)
+        rejected: list[tuple[str, list[str]]] = []
+        for path in cands:
+            manifest = read_manifest(fs, path)
+            if manifest.get("format") == LEGACY_FORMAT or "state_bytes" in manifest:
+                if not is_complete(fs, path, manifest):
+                    rejected.append((path, ["state.pt (not the size its manifest names)"]))
+                    self._reject(path, rejected[-1][1])
+                    continue
+                return self._load_legacy(strategy, fs, path), path
+            names = sorted(manifest["files"])
+            share = names[self.rank::self.world_size] if self.collective else names
+            bad = [b for part in self._gather_list(bad_files(fs, path, manifest, share)) for b in part]
+            if bad:
+                rejected.append((path, bad))
+                self._reject(path, bad)
+                continue
+            run_state = self._load(strategy, fs, path, manifest)
+            if self.rank == 0 and self.storage:
+                for p in incomplete_checkpoints(self.storage, self.run_name, manifest["step"]):
+                    if p not in {r[0] for r in rejected}:
+                        fs.delete_dir(p)
+            self.log(f"restored {path} ({describe(manifest)}) at world size {self.world_size}")
+            return run_state, path
+        if rejected:
+            raise CheckpointCorruptError(
+                f"no checkpoint of run {self.run_name!r} verifies: " + "; ".join(
+                    f"{p}: {', '.join(b)}" for p, b in rejected)
+                + ". Restore the files from a copy, or start a new run (another run.name)")
+        return None
+
+    def _reject(self, path: str, bad: list[str]) -> None:
+        msg = (f"elastic-ddp: warning: checkpoint {path} fails its checksums: {', '.join(bad)}; "
+               "trying the previous checkpoint")
+        if self.rank == 0:
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+            self.log(msg)
+            if self.tracker is not None:
+                self.tracker.event({"type": "checkpoint_rejected", "t": time.time(),
+                                    "checkpoint": path, "bad_files": bad, "cause": msg})
+
+    def _load(self, strategy, fs, path: str, manifest: dict) -> dict:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint import load as dcp_load
+
+        with _local_copy(fs, path) as d:
+            state = self.model_optimizer_state(strategy)
+            try:
+                dcp_load(state, storage_reader=FileSystemReader(d), no_dist=not self.collective)
+                self._set_model_optimizer_state(strategy, state)
+            except Exception as e:  # noqa: BLE001 - DCP wraps every rank's error
+                raise CheckpointError(
+                    f"checkpoint {path} ({describe(manifest)}) does not fit this config's "
+                    f"model/optimizer ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+                    "resume it with its own config (config.json beside it) or set a new "
+                    "run.name") from e
+            if strategy.hook_state is not None:
+                self._load_hook_state(strategy, d)
+            with open(os.path.join(d, RUN_STATE)) as f:
+                run_state = json.load(f)
+        return {k: run_state[k] for k in RUN_KEYS if k in run_state}
+
+    def _load_hook_state(self, strategy, d: str) -> None:
+        saved = load_prefix(d, "comm_hook.", no_dist=True)
+        if not saved:
+            return
+        h = strategy.hook_state
+        dev = next(strategy.module.parameters()).device
+        h.iter = int(saved["iter"])
+        h.p_memory_dict = {int(k[2:]): v.to(dev) for k, v in saved.items() if k.startswith("p.")}
+        h.q_memory_dict = {int(k[2:]): v.to(dev) for k, v in saved.items() if k.startswith("q.")}
+        # A rank's error feedback matches its share of the gradient only at the same size.
+        if int(saved["world_size"]) == self.world_size:
+            p = f"err{self.rank}."
+            h.error_dict = {int(k[len(p):]): v.to(dev) for k, v in saved.items() if k.startswith(p)}
+
+    def _load_legacy(self, strategy, fs, path: str) -> dict:
+        from elastic_ddp.checkpoint.legacy import load_state
+
+        with _local_copy(fs, path) as d:
+            state = load_state(d)
+        try:
+            strategy.load_full_state(state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {path} (format {LEGACY_FORMAT}) does not fit this config's "
+                f"model/optimizer ({type(e).__name__}: {str(e).splitlines()[0][:300]}); resume "
+                "it with its own config (config.json beside it) or set a new run.name") from e
+        self.log(f"restored {path} (format {LEGACY_FORMAT}: one state.pt); the next checkpoint "
+                 f"is written in format {FORMAT}")
+        return {k: state[k] for k in RUN_KEYS if k in state}
+
+    # ---------------------------------------------------------------- live (healing)
+    @staticmethod
+    def live_state(strategy, run_state: dict) -> dict:
+        """What a healing replica receives from a live peer (per-step fault tolerance,
+        torchft's transport): the model's and the optimizer's in-memory state dicts and
+        the run state. Replicated (ddp): one copy per replica, no gathering."""
+        return {"model": strategy.module.state_dict(), "optimizer": strategy.optimizer.state_dict(),
+                **run_state}
+
+    @staticmethod
+    def load_live_state(strategy, state: dict) -> dict:
+        """Load a peer's ``live_state`` into ``strategy``; returns its run state."""
+        strategy.module.load_state_dict(state["model"])
+        strategy.optimizer.load_state_dict(state["optimizer"])
+        return {k: state[k] for k in RUN_KEYS if k in state}
+
+    # ------------------------------------------------------------------ collectives
+    def _barrier(self) -> None:
+        if self.collective:
+            dist.barrier()
+
+    def _gather(self, records: dict) -> dict:
+        if not self.collective:
+            return dict(records)
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, records)
+        return {k: v for p in parts for k, v in p.items()}
+
+    def _gather_list(self, items: list) -> list[list]:
+        if not self.collective:
+            return [items]
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, items)
+        return parts
+
+    def _broadcast(self, obj):
+        if not self.collective:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class _local_copy:
+    """A local directory holding the checkpoint at ``path``: itself on a local file
+    system, else a downloaded copy (removed on exit)."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path, self.tmp = fs, path, None
+
+    def __enter__(self) -> str:
+        import pyarrow.fs as pafs
+
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            return self.path
+        self.tmp = tempfile.mkdtemp(prefix="elastic-ddp-restore-")
+        pafs.copy_files(self.path, self.tmp, source_filesystem=self.fs)
+        return self.tmp
+
+    def __exit__(self, *exc) -> None:
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def load_prefix(directory: str, prefix: str, no_dist: bool = True) -> dict[str, Any]:
+    """The entries of a DCP checkpoint whose key starts with ``prefix`` (the prefix
+    stripped), as full CPU tensors, read from the shards that hold them and nothing
+    else (``model.``: the model alone, no optimizer state). Costs one copy of those
+    entries in memory."""
+    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+    from torch.distributed.checkpoint import load as dcp_load
+
+    reader = FileSystemReader(directory)
+    meta = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    if not state:
+        return {}
+    dcp_load(state, storage_reader=reader, no_dist=no_dist)
+    return {k[len(prefix):]: v for k, v in state.items()}
