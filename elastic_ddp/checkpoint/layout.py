@@ -40,14 +40,25 @@ class CheckpointCorruptError(CheckpointError):
     """No checkpoint of the run passes its checksums (the CLI exits 2 on it)."""
 
 
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint_step{step:08d}"
+#: ``checkpoint_step<k>``, or ``checkpoint_step<k>_r<n>``: step k written again after a
+#: restore from an older checkpoint, beside the first one (which Ray Train may have
+#: registered and will delete by its own bookkeeping: it is never rewritten in place).
+_NAME = re.compile(r"checkpoint_step(\d+)(?:_r(\d+))?")
+
+
+def checkpoint_name(step: int, rewrite: int = 0) -> str:
+    return f"checkpoint_step{step:08d}" + (f"_r{rewrite}" if rewrite else "")
+
+
+def _order(name: str) -> Optional[tuple[int, int]]:
+    m = _NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def checkpoint_step(path: str) -> int:
     """The step in a ``checkpoint_step<k>`` directory name (-1 for another name)."""
-    m = re.search(r"checkpoint_step(\d+)/?$", str(path))
-    return int(m.group(1)) if m else -1
+    o = _order(str(path).rstrip("/").rsplit("/", 1)[-1])
+    return o[0] if o else -1
 
 
 def run_dir(storage_path: str, run_name: str):
@@ -130,11 +141,10 @@ def complete_checkpoints(storage_path: str, run_name: str, newer_than: int = -1,
         infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
     except OSError:
         return []
-    steps = sorted(((int(m.group(1)), i.path) for i in infos
-                    if i.type == pafs.FileType.Directory
-                    and (m := re.fullmatch(r"checkpoint_step(\d+)", i.base_name))), reverse=True)
+    steps = sorted(((o, i.path) for i in infos
+                    if i.type == pafs.FileType.Directory and (o := _order(i.base_name))), reverse=True)
     out = []
-    for step, path in steps:
+    for (step, _), path in steps:
         if step <= newer_than:
             break
         try:

@@ -121,17 +121,15 @@ class CheckpointManager:
         import pyarrow.fs as pafs
 
         fs, base = run_dir(self.storage, self.run_name)
-        name = checkpoint_name(step)
-        dest = f"{base}/{name}"
         writes = self.collective or writer
         lead = self.rank == 0 if self.collective else writer
         local = isinstance(fs, pafs.LocalFileSystem)
+        name = checkpoint_name(step)
         if lead:
-            # A directory of this step is a write cut short, or one a restore rejected.
-            if fs.get_file_info(dest).type != pafs.FileType.NotFound:
-                fs.delete_dir(dest)
-            fs.create_dir(dest, recursive=True)
-        self._barrier()
+            name = self._free_name(fs, base, step)
+            fs.create_dir(f"{base}/{name}", recursive=True)
+        name = self._broadcast(name)
+        dest = f"{base}/{name}"
         path = None
         if writes:
             state = self.model_optimizer_state(strategy)
@@ -167,6 +165,25 @@ class CheckpointManager:
                              checkpoint=Checkpoint(dest, filesystem=fs) if lead else None,
                              checkpoint_dir_name=name, checkpoint_upload_fn=_already_persisted)
         return path
+
+    @staticmethod
+    def _free_name(fs, base: str, step: int) -> str:
+        """The directory name for step ``step``: ``checkpoint_step<k>``, or the next
+        ``_r<n>`` when a checkpoint of that step with a manifest is there (one a restore
+        rejected or passed over: Ray Train may have registered it, so it is left alone).
+        A directory without a manifest is a write cut short: removed and reused."""
+        import pyarrow.fs as pafs
+
+        n = 0
+        while True:
+            name = checkpoint_name(step, n)
+            info = fs.get_file_info(f"{base}/{name}")
+            if info.type == pafs.FileType.NotFound:
+                return name
+            if fs.get_file_info(f"{base}/{name}/{MANIFEST}").type == pafs.FileType.NotFound:
+                fs.delete_dir(f"{base}/{name}")
+                return name
+            n += 1
 
     def _write_small(self, fs, dest: str, step: int, run_state: dict, files: dict) -> None:
         """run_state.json, config.json, then the manifest (to a temporary name, moved)."""
@@ -314,10 +331,6 @@ class CheckpointManager:
         return {k: state[k] for k in RUN_KEYS if k in state}
 
     # ------------------------------------------------------------------ collectives
-    def _barrier(self) -> None:
-        if self.collective:
-            dist.barrier()
-
     def _gather(self, records: dict) -> dict:
         if not self.collective:
             return dict(records)

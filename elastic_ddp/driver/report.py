@@ -164,6 +164,10 @@ def format_summary(s: Summary) -> str:
         lines.append(f"command to first step: {s.startup['total_s']:.1f} s (" + ", ".join(
             f"{k.removesuffix('_s')} {v:.1f}" for k, v in s.startup.items() if k != "total_s") + ")")
     for ev in s.events:
+        if ev.get("type") == "checkpoint_rejected":
+            lines.append(f"  checkpoint rejected: {ev.get('checkpoint')}: "
+                         f"{', '.join(ev.get('bad_files', []))}")
+            continue
         lines.append(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
                      f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")
     if s.tracking.get("delayed") or s.tracking.get("dropped"):
