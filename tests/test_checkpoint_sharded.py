@@ -87,6 +87,8 @@ def _worker(rank, ws, port, job, out):
         if job.get("restore"):
             run_state, _ = mgr.restore(strategy)
             first = run_state["progress"]["step"]
+        if job.get("async_kill"):
+            _async_then_kill(mgr, strategy, cfg, task, rank, ws, out)
         losses = _steps(strategy, cfg, task, first, job["steps"], rank, ws)
         if job.get("save"):
             mgr.save(first + job["steps"], strategy, {"progress": {"step": first + job["steps"]}},
@@ -95,6 +97,30 @@ def _worker(rank, ws, port, job, out):
             torch.save(torch.tensor(losses), Path(out) / job["result"])
     finally:
         dist.destroy_process_group()
+
+
+def _async_then_kill(mgr, strategy, cfg, task, rank, ws, out):
+    """Steps 0-2, an asynchronous checkpoint at 3 while steps 3-5 train (polled each
+    step), then one at 6 whose write rank 0 dies in (shard cut short, no manifest)."""
+    import signal
+
+    _steps(strategy, cfg, task, 0, 3, rank, ws)
+    mgr.save(3, strategy, {"progress": {"step": 3}}, report=False, asynchronous=True)
+    for k in range(3, 6):
+        _steps(strategy, cfg, task, k, 1, rank, ws)
+        mgr.poll()
+    mgr.wait()
+
+    def die(shard: str) -> None:
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+        Path(out, "killed").write_text(shard)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    mgr.save(6, strategy, {"progress": {"step": 6}}, report=False, asynchronous=True,
+             fault_hook=die if rank == 0 else None)
+    mgr.wait()
+    raise AssertionError("rank 0 should have died inside the background write")
 
 
 def _run(ws: int, job: dict, out: Path) -> torch.Tensor:
@@ -126,6 +152,72 @@ def test_written_at_2_by_every_rank_resumes_at_1_and_3(reference, tmp_path, stra
                    tmp_path)
         rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
         assert rel <= 1e-4, f"{strategy} written at 2, resumed at {ws}: drifts by {rel:.2e}"
+
+
+def test_a_kill_during_an_asynchronous_write_leaves_the_previous_checkpoint(reference, tmp_path):
+    with pytest.raises(mp.ProcessExitedException):
+        _run(2, {"strategy": "fsdp", "steps": 0, "async_kill": True, "result": "x.pt"}, tmp_path)
+    assert (tmp_path / "killed").exists()
+    torn = tmp_path / RUN / checkpoint_name(6)
+    assert torn.is_dir() and not (torn / MANIFEST).exists()
+    # The restart point is step 3's checkpoint, written while steps 3-5 trained: its
+    # content is step 3's state (staged before the loop moved on).
+    got = _run(2, {"strategy": "fsdp", "steps": 3, "restore": True, "result": "r.pt"}, tmp_path)
+    rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
+    assert rel <= 1e-4, f"resumed from the asynchronous checkpoint: drifts by {rel:.2e}"
+    assert not torn.exists(), "the torn checkpoint should be removed at the restore"
+
+
+def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):
+    """``elastic-ddp export`` as a user runs it: one file, ``torch.load(weights_only=True)``
+    into the task's model, the same loss as the trained model; the optimizer state is
+    not in it."""
+    import subprocess
+
+    cfg = _cfg("ddp")
+    task = load_task(cfg)
+    mgr, _ = _single(tmp_path, [2])
+    torch.manual_seed(2)
+    want = build_model(cfg, task)
+    out = tmp_path / "model.pt"
+    p = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "export",
+                        str(tmp_path / RUN / checkpoint_name(2)), str(out)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    sd = torch.load(out, weights_only=True)
+    assert set(sd) == set(want.state_dict()), "only the model's entries"
+    model = build_model(cfg, task)
+    model.load_state_dict(sd)
+    x = torch.randint(0, 256, (6, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(task.loss(model, {"tokens": x})[0], task.loss(want, {"tokens": x})[0])
+    bad = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "export", str(tmp_path),
+                          str(tmp_path / "m2.pt")], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert bad.returncode == 2 and "not an elastic-ddp checkpoint directory" in bad.stderr
+    assert not (tmp_path / "m2.pt").exists()
+
+
+def test_a_legacy_state_pt_checkpoint_still_restores_and_exports(tmp_path):
+    """Format elastic-ddp/2 (one state.pt): a run resumes across the change of format."""
+    from elastic_ddp.checkpoint.export import model_state
+
+    cfg = _cfg("ddp")
+    torch.manual_seed(4)
+    old = build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
+    d = tmp_path / RUN / checkpoint_name(4)
+    d.mkdir(parents=True)
+    torch.save({"format": "elastic-ddp/2", **old.full_state(0), "progress": {"step": 4},
+                "counters": {}, "data": {}}, d / "state.pt")
+    (d / MANIFEST).write_text(json.dumps({"state_bytes": (d / "state.pt").stat().st_size,
+                                          "format": "elastic-ddp/2"}))
+    mgr, fresh = _single(tmp_path / "other", [])
+    mgr.storage = str(tmp_path)
+    run_state, path = mgr.restore(fresh)
+    assert run_state["progress"]["step"] == 4 and path == str(d)
+    want = old.module.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in fresh.module.state_dict().items())
+    assert all(torch.equal(want[k], v) for k, v in model_state(d).items())
 
 
 def _single(tmp_path: Path, steps: list[int]):

@@ -5,7 +5,6 @@ checkpoint; with no checkpoint left that verifies, the rerun exits 2 naming them
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

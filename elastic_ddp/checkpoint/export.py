@@ -30,7 +30,7 @@ def model_state(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{d}: not an elastic-ddp checkpoint directory (no {MANIFEST} and "
                               ".metadata); give a checkpoint_step<k> directory of the run's "
                               "storage path")
-    from elastic_ddp.checkpoint.manager import load_prefix
+    from elastic_ddp.checkpoint.dcp_io import load_prefix
 
     return load_prefix(str(d), "model.")
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.checkpoint.dcp_io import _local_copy, load_prefix  # noqa: F401
 from elastic_ddp.checkpoint.layout import (
     CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
     bad_files, checkpoint_name, complete_checkpoints, describe, file_record, incomplete_checkpoints,
@@ -105,21 +106,28 @@ class CheckpointManager:
     # ------------------------------------------------------------------------ save
     def save(self, step: int, strategy, run_state: dict, metrics: Optional[dict] = None,
              report: bool = True, writer: bool = True,
-             fault_hook: Optional[Callable[[str], None]] = None) -> Optional[str]:
+             fault_hook: Optional[Callable[[str], None]] = None,
+             asynchronous: bool = False) -> Optional[str]:
         """Write the checkpoint of ``step`` into storage and, with ``report``, commit it
         through ``ray.train.report`` (a barrier over every rank; registered by Ray Train
         once every rank reported). Every rank calls it. Not ``collective``: only the
         ``writer`` writes. Returns the checkpoint's path (the writing ranks).
 
+        ``asynchronous`` (collective, local storage): returns once the state is
+        staged to host memory (DCP ``async_save``); the write, the checksums and the
+        manifest finish in the background, and the report follows at the first
+        ``poll()`` that finds every rank's write done (``checkpoint.inflight``). At most
+        one is in flight: a save waits for the previous one first.
+
         Costs: each rank's share of the state serialised once and read once more for its
         crc32; one ``all_gather_object`` of the file records; rank 0 writes the small files.
         ``fault_hook(shard_path)``: a test hook run after the shards are written and before
         the manifest (the window a crash must not turn into a checkpoint)."""
-        from torch.distributed.checkpoint import FileSystemWriter
-        from torch.distributed.checkpoint import save as dcp_save
-
         import pyarrow.fs as pafs
 
+        from elastic_ddp.checkpoint.inflight import save_async
+
+        self.wait()
         fs, base = run_dir(self.storage, self.run_name)
         writes = self.collective or writer
         lead = self.rank == 0 if self.collective else writer
@@ -130,41 +138,85 @@ class CheckpointManager:
             fs.create_dir(f"{base}/{name}", recursive=True)
         name = self._broadcast(name)
         dest = f"{base}/{name}"
-        path = None
-        if writes:
-            state = self.model_optimizer_state(strategy)
-            if strategy.hook_state is not None:
-                state["comm_hook"] = self._hook_state(strategy)
-            target = dest if local else tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
-            try:
-                dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
-                me = self.rank if self.collective else 0
-                mine = sorted(f for f in os.listdir(target) if f.startswith(f"__{me}_"))
-                if lead:
-                    mine.append(".metadata")
-                if not local:
-                    for f in mine:
-                        pafs.copy_files(os.path.join(target, f), f"{dest}/{f}",
-                                        destination_filesystem=fs)
-                records = {f: file_record(pafs.LocalFileSystem(), os.path.join(target, f))
-                           for f in mine}
-                if fault_hook is not None and mine:
-                    fault_hook(os.path.join(target, mine[0]))
-            finally:
-                if not local:
-                    shutil.rmtree(target, ignore_errors=True)
-            files = self._gather(records)
-            if lead:
-                self._write_small(fs, dest, step, run_state, files)
-            path = dest
-        if report:
-            import ray.train
-            from ray.train import Checkpoint
+        if not writes:
+            if report:
+                self._report(metrics, fs, dest, name, lead=False)
+            return None
+        state = self.model_optimizer_state(strategy)
+        if strategy.hook_state is not None:
+            state["comm_hook"] = self._hook_state(strategy)
+        if asynchronous and self.collective and local:
+            self.pending = save_async(self, state, fs, dest, name, step, dict(run_state),
+                                      metrics, fault_hook, report)
+            return dest
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
 
-            ray.train.report({k: float(v) for k, v in (metrics or {}).items()},
-                             checkpoint=Checkpoint(dest, filesystem=fs) if lead else None,
-                             checkpoint_dir_name=name, checkpoint_upload_fn=_already_persisted)
-        return path
+        target = dest if local else tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
+        try:
+            dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
+            records = self._records(fs, target, dest, lead, local, fault_hook)
+        finally:
+            if not local:
+                shutil.rmtree(target, ignore_errors=True)
+        self._finish(fs, dest, step, run_state, records, lead)
+        if report:
+            self._report(metrics, fs, dest, name, lead)
+        return dest
+
+    def _records(self, fs, target: str, dest: str, lead: bool, local: bool,
+                 fault_hook=None) -> dict:
+        """This rank's files of the checkpoint written in local directory ``target``
+        (copied to ``dest`` on a remote file system), with their sizes and crc32s."""
+        import pyarrow.fs as pafs
+
+        me = self.rank if self.collective else 0
+        mine = sorted(f for f in os.listdir(target) if f.startswith(f"__{me}_"))
+        if lead:
+            mine.append(".metadata")
+        if not local:
+            for f in mine:
+                pafs.copy_files(os.path.join(target, f), f"{dest}/{f}", destination_filesystem=fs)
+        records = {f: file_record(pafs.LocalFileSystem(), os.path.join(target, f)) for f in mine}
+        if fault_hook is not None and mine:
+            fault_hook(os.path.join(target, mine[0]))
+        return records
+
+    def _finish(self, fs, dest: str, step: int, run_state: dict, records: dict, lead: bool,
+                group=None) -> None:
+        """Gather every rank's file records; rank 0 writes the small files and the manifest."""
+        files = self._gather(records, group)
+        if lead:
+            self._write_small(fs, dest, step, run_state, files)
+
+    def _report(self, metrics, fs, dest: str, name: str, lead: bool) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+
+        ray.train.report({k: float(v) for k, v in (metrics or {}).items()},
+                         checkpoint=Checkpoint(dest, filesystem=fs) if lead else None,
+                         checkpoint_dir_name=name, checkpoint_upload_fn=_already_persisted)
+
+    #: The asynchronous checkpoint in flight (``checkpoint.inflight.Pending``), or None.
+    pending = None
+
+    def poll(self) -> None:
+        """At a step boundary, on every rank: report the checkpoint in flight once every
+        rank's write is done (one small all-reduce while one is in flight)."""
+        if self.pending is not None and self.pending.all_done():
+            self._commit()
+
+    def wait(self) -> None:
+        """Wait for the checkpoint in flight and report it (every rank)."""
+        if self.pending is not None:
+            self.pending.join()
+            self._commit()
+
+    def _commit(self) -> None:
+        p, self.pending = self.pending, None
+        p.raise_error()
+        if p.report:
+            self._report(p.metrics, p.fs, p.dest, p.name, self.rank == 0)
 
     @staticmethod
     def _free_name(fs, base: str, step: int) -> str:
@@ -331,11 +383,11 @@ class CheckpointManager:
         return {k: state[k] for k in RUN_KEYS if k in state}
 
     # ------------------------------------------------------------------ collectives
-    def _gather(self, records: dict) -> dict:
+    def _gather(self, records: dict, group=None) -> dict:
         if not self.collective:
             return dict(records)
         parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, records)
+        dist.all_gather_object(parts, records, group=group)
         return {k: v for p in parts for k, v in p.items()}
 
     def _gather_list(self, items: list) -> list[list]:
@@ -351,42 +403,3 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-
-class _local_copy:
-    """A local directory holding the checkpoint at ``path``: itself on a local file
-    system, else a downloaded copy (removed on exit)."""
-
-    def __init__(self, fs, path: str):
-        self.fs, self.path, self.tmp = fs, path, None
-
-    def __enter__(self) -> str:
-        import pyarrow.fs as pafs
-
-        if isinstance(self.fs, pafs.LocalFileSystem):
-            return self.path
-        self.tmp = tempfile.mkdtemp(prefix="elastic-ddp-restore-")
-        pafs.copy_files(self.path, self.tmp, source_filesystem=self.fs)
-        return self.tmp
-
-    def __exit__(self, *exc) -> None:
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def load_prefix(directory: str, prefix: str, no_dist: bool = True) -> dict[str, Any]:
-    """The entries of a DCP checkpoint whose key starts with ``prefix`` (the prefix
-    stripped), as full CPU tensors, read from the shards that hold them and nothing
-    else (``model.``: the model alone, no optimizer state). Costs one copy of those
-    entries in memory."""
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
-    from torch.distributed.checkpoint import load as dcp_load
-
-    reader = FileSystemReader(directory)
-    meta = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    if not state:
-        return {}
-    dcp_load(state, storage_reader=reader, no_dist=no_dist)
-    return {k[len(prefix):]: v for k, v in state.items()}

@@ -167,7 +167,8 @@ class Trainer:
         p = self.progress
         self.ckpt.save(p.step, self.strategy, self.run_state(),
                        {"step": p.step, "epoch": p.epoch, **metrics}, writer=self.rank == 0,
-                       fault_hook=self.fault.checkpoint_hook(p.step))
+                       fault_hook=self.fault.checkpoint_hook(p.step),
+                       asynchronous=self.cfg.train.async_checkpoint and not final)
 
     # -------------------------------------------------------------------------- loop
     @property
@@ -198,6 +199,7 @@ class Trainer:
                     self.tracker.attempt(first_step=time.time(), step=p.step)
                     first = False
                 self.maybe_log()
+                self.ckpt.poll()  # an asynchronous checkpoint done on every rank: reported
                 if c.checksum_every_steps and p.step % c.checksum_every_steps == 0:
                     self.strategy.check_params_equal(p.step)
                 if not self.done and p.step % c.checkpoint_every_steps == 0 and p.cursor < self.n_train:
