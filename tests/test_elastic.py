@@ -240,6 +240,8 @@ def test_kill_during_checkpoint_write(cluster, data, baseline, tmp_path):
     resumed = report["attempts"][1]["resumed_from"]
     assert resumed == 10, (resumed, ev)
     assert ev["resumed_at_step"] == resumed and ev["steps_recomputed"] == 15 - resumed
+    # The recovery record names the checkpoint the restart used.
+    assert ev["resumed_from_checkpoint"].endswith("kill-ckpt/checkpoint_step00000010"), ev
     FIGURES["ckpt_kill_resumed_from"] = resumed
     # Every checkpoint directory left is complete (the torn one was removed at the
     # restore and written whole when the run passed step 15 again); Ray Train kept the

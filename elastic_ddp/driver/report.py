@@ -79,6 +79,8 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
             continue
         ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
         ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))
+        if nxt[0].get("checkpoint"):
+            ev["resumed_from_checkpoint"] = nxt[0]["checkpoint"]
         ev["steps_recomputed"] = max(0, int(ev.get("last_step_seen", 0)) - ev["resumed_at_step"])
         if ledger_attempts:
             from elastic_ddp.ledger import recomputed_after

@@ -75,6 +75,7 @@ class Trainer:
         self.progress = Progress()
         self.counters = Counters()
         self.resumed_from: Optional[int] = None
+        self.restored_path: Optional[str] = None  # the checkpoint restore() loaded
         self.tracker = TrackerClient(job.tracker, enabled=rank == 0)
         self.fault = Fault(job.fault, rank)
         # Where this rank is (phase, step), for the controller when the process dies
@@ -140,6 +141,7 @@ class Trainer:
         found = self.ckpt.restore(self.strategy, checkpoint)
         if found is not None:
             run_state, path = found
+            self.restored_path = path
             self.at("restore", self.progress.step)
             self.load_run_state(run_state)
             self.counters.restarts += 1
@@ -182,7 +184,7 @@ class Trainer:
         self.ledger = LedgerWriter(self.job.ledger_dir, self.rank, self.resumed_from, self.world_size,
                                    getattr(self, "ledger_mode", "restart"))
         self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
-                             resumed_from=p.step)
+                             resumed_from=p.step, checkpoint=self.restored_path)
         import torch.distributed as dist
 
         self.tracker.set_tags({"elastic_ddp.world_size": self.world_size,
