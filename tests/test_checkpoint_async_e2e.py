@@ -11,8 +11,9 @@ import pytest
 
 from conftest import digits_config
 from elastic_ddp.config import Config
-from elastic_ddp.launcher import train
+from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
+from elastic_ddp.run_state import Diagnostics
 
 pytestmark = pytest.mark.ray
 
@@ -28,8 +29,9 @@ def test_a_kill_during_the_background_write_resumes_from_the_previous_checkpoint
         "scaling": {"max_failures": 2, "collective_timeout_s": 30},
         "run": {"name": "async-kill"}}))
     marker = tmp_path / "fired"
-    s = train(cfg, ledger_dir=str(tmp_path / "ledger"), progress=False,
-              fault={"rank": 1, "at_step": 15, "where": "checkpoint_write", "marker": str(marker)})
+    s = train(cfg, progress=False, diagnostics=Diagnostics(
+        ledger_dir=str(tmp_path / "ledger"),
+        fault={"rank": 1, "at_step": 15, "where": "checkpoint_write", "marker": str(marker)}))
     assert json.loads(marker.read_text())["step"] == 15
     report = audit(tmp_path / "ledger", read_sample_ids(digits_data / "train"), 1)
     print(format_audit(report))

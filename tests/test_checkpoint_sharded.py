@@ -180,7 +180,7 @@ def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):
     torch.manual_seed(2)
     want = build_model(cfg, task)
     out = tmp_path / "model.pt"
-    p = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "export",
+    p = subprocess.run([sys.executable, "-m", "elastic_ddp", "export",
                         str(tmp_path / RUN / checkpoint_name(2)), str(out)],
                        capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr
@@ -191,7 +191,7 @@ def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):
     x = torch.randint(0, 256, (6, 17), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(task.loss(model, {"tokens": x})[0], task.loss(want, {"tokens": x})[0])
-    bad = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "export", str(tmp_path),
+    bad = subprocess.run([sys.executable, "-m", "elastic_ddp", "export", str(tmp_path),
                           str(tmp_path / "m2.pt")], capture_output=True, text=True, timeout=300,
                          check=False)
     assert bad.returncode == 2 and "not an elastic-ddp checkpoint directory" in bad.stderr

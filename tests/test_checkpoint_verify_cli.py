@@ -22,7 +22,7 @@ RUN = "verify-cli"
 def _cli(cfg: dict, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "train", str(path),
+    return subprocess.run([sys.executable, "-m", "elastic_ddp", "train", str(path),
                            "--no-progress", *extra], capture_output=True, text=True, timeout=900)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 
-class _local_copy:
+class local_copy:
     """A local directory holding the checkpoint at ``path``: itself on a local file
     system, else a downloaded copy (removed on exit)."""
 
@@ -47,3 +47,30 @@ def load_prefix(directory: str, prefix: str, no_dist: bool = True) -> dict[str, 
         return {}
     dcp_load(state, storage_reader=reader, no_dist=no_dist)
     return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def powersgd_keys(h, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """PowerSGD's state (``PowerSGDState`` ``h``) as DCP keys: iteration, warm-start P/Q
+    (replicated) and this rank's error feedback (``err<rank>.<bucket>``)."""
+    out = {"iter": torch.tensor(int(h.iter)), "world_size": torch.tensor(world_size)}
+    out.update({f"p.{k}": v.detach().cpu() for k, v in h.p_memory_dict.items()})
+    out.update({f"q.{k}": v.detach().cpu() for k, v in h.q_memory_dict.items()})
+    out.update({f"err{rank}.{k}": v.detach().cpu() for k, v in h.error_dict.items()})
+    return out
+
+
+def load_powersgd_keys(strategy, d: str, rank: int, world_size: int) -> None:
+    """Restore ``powersgd_keys`` from checkpoint directory ``d`` into the strategy's hook
+    state; a rank's error feedback only at the world size it was written at (elsewhere
+    it no longer matches the rank's share of the gradient and restarts from zero)."""
+    saved = load_prefix(d, "comm_hook.", no_dist=True)
+    if not saved:
+        return
+    h = strategy.hook_state
+    dev = next(strategy.module.parameters()).device
+    h.iter = int(saved["iter"])
+    h.p_memory_dict = {int(k[2:]): v.to(dev) for k, v in saved.items() if k.startswith("p.")}
+    h.q_memory_dict = {int(k[2:]): v.to(dev) for k, v in saved.items() if k.startswith("q.")}
+    if int(saved["world_size"]) == world_size:
+        p = f"err{rank}."
+        h.error_dict = {int(k[len(p):]): v.to(dev) for k, v in saved.items() if k.startswith(p)}

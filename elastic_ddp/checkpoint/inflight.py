@@ -74,8 +74,8 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
     def finish() -> None:
         try:
             future.result()
-            records = manager._records(fs, dest, dest, lead, True, fault_hook)
-            manager._finish(fs, dest, step, run_state, records, lead, group=group)
+            records = manager.records(fs, dest, dest, lead, True, fault_hook)
+            manager.finish_write(fs, dest, step, run_state, records, lead, group=group)
         except BaseException as e:  # noqa: BLE001 - raised in the step loop at the commit
             p.error = e
 

@@ -26,10 +26,9 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
-from elastic_ddp.checkpoint.dcp_io import _local_copy, load_prefix  # noqa: F401
+from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powersgd_keys
 from elastic_ddp.checkpoint.layout import (
     CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
     bad_files, checkpoint_name, complete_checkpoints, describe, file_record, incomplete_checkpoints,
@@ -93,16 +92,6 @@ class CheckpointManager:
                        optim_state_dict=state["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
 
-    def _hook_state(self, strategy) -> dict[str, torch.Tensor]:
-        """PowerSGD's state as DCP keys: iteration, warm-start P/Q (replicated) and this
-        rank's error feedback (``err<rank>.<bucket>``)."""
-        h = strategy.hook_state
-        out = {"iter": torch.tensor(int(h.iter)), "world_size": torch.tensor(self.world_size)}
-        out.update({f"p.{k}": v.detach().cpu() for k, v in h.p_memory_dict.items()})
-        out.update({f"q.{k}": v.detach().cpu() for k, v in h.q_memory_dict.items()})
-        out.update({f"err{self.rank}.{k}": v.detach().cpu() for k, v in h.error_dict.items()})
-        return out
-
     # ------------------------------------------------------------------------ save
     def save(self, step: int, strategy, run_state: dict, metrics: Optional[dict] = None,
              report: bool = True, writer: bool = True,
@@ -144,7 +133,7 @@ class CheckpointManager:
             return None
         state = self.model_optimizer_state(strategy)
         if strategy.hook_state is not None:
-            state["comm_hook"] = self._hook_state(strategy)
+            state["comm_hook"] = powersgd_keys(strategy.hook_state, self.rank, self.world_size)
         if asynchronous and self.collective and local:
             self.pending = save_async(self, state, fs, dest, name, step, dict(run_state),
                                       metrics, fault_hook, report)
@@ -155,16 +144,16 @@ class CheckpointManager:
         target = dest if local else tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
         try:
             dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
-            records = self._records(fs, target, dest, lead, local, fault_hook)
+            records = self.records(fs, target, dest, lead, local, fault_hook)
         finally:
             if not local:
                 shutil.rmtree(target, ignore_errors=True)
-        self._finish(fs, dest, step, run_state, records, lead)
+        self.finish_write(fs, dest, step, run_state, records, lead)
         if report:
             self._report(metrics, fs, dest, name, lead)
         return dest
 
-    def _records(self, fs, target: str, dest: str, lead: bool, local: bool,
+    def records(self, fs, target: str, dest: str, lead: bool, local: bool,
                  fault_hook=None) -> dict:
         """This rank's files of the checkpoint written in local directory ``target``
         (copied to ``dest`` on a remote file system), with their sizes and crc32s."""
@@ -182,7 +171,7 @@ class CheckpointManager:
             fault_hook(os.path.join(target, mine[0]))
         return records
 
-    def _finish(self, fs, dest: str, step: int, run_state: dict, records: dict, lead: bool,
+    def finish_write(self, fs, dest: str, step: int, run_state: dict, records: dict, lead: bool,
                 group=None) -> None:
         """Gather every rank's file records; rank 0 writes the small files and the manifest."""
         files = self._gather(records, group)
@@ -319,7 +308,7 @@ class CheckpointManager:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint import load as dcp_load
 
-        with _local_copy(fs, path) as d:
+        with local_copy(fs, path) as d:
             state = self.model_optimizer_state(strategy)
             try:
                 dcp_load(state, storage_reader=FileSystemReader(d), no_dist=not self.collective)
@@ -331,29 +320,15 @@ class CheckpointManager:
                     "resume it with its own config (config.json beside it) or set a new "
                     "run.name") from e
             if strategy.hook_state is not None:
-                self._load_hook_state(strategy, d)
+                load_powersgd_keys(strategy, d, self.rank, self.world_size)
             with open(os.path.join(d, RUN_STATE)) as f:
                 run_state = json.load(f)
         return {k: run_state[k] for k in RUN_KEYS if k in run_state}
 
-    def _load_hook_state(self, strategy, d: str) -> None:
-        saved = load_prefix(d, "comm_hook.", no_dist=True)
-        if not saved:
-            return
-        h = strategy.hook_state
-        dev = next(strategy.module.parameters()).device
-        h.iter = int(saved["iter"])
-        h.p_memory_dict = {int(k[2:]): v.to(dev) for k, v in saved.items() if k.startswith("p.")}
-        h.q_memory_dict = {int(k[2:]): v.to(dev) for k, v in saved.items() if k.startswith("q.")}
-        # A rank's error feedback matches its share of the gradient only at the same size.
-        if int(saved["world_size"]) == self.world_size:
-            p = f"err{self.rank}."
-            h.error_dict = {int(k[len(p):]): v.to(dev) for k, v in saved.items() if k.startswith(p)}
-
     def _load_legacy(self, strategy, fs, path: str) -> dict:
         from elastic_ddp.checkpoint.legacy import load_state
 
-        with _local_copy(fs, path) as d:
+        with local_copy(fs, path) as d:
             state = load_state(d)
         try:
             strategy.load_full_state(state)
