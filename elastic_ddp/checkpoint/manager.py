@@ -280,7 +280,9 @@ class CheckpointManager:
                 self._reject(path, bad)
                 continue
             run_state = self._load(strategy, fs, path, manifest)
-            if self.rank == 0 and self.storage:
+            # Restart mode only: every rank is restoring, so no write is under way (in
+            # per-step mode a replacement restores while the quorum may be writing).
+            if self.rank == 0 and self.storage and (self.collective or self.world_size == 1):
                 for p in incomplete_checkpoints(self.storage, self.run_name, manifest["step"]):
                     if p not in {r[0] for r in rejected}:
                         fs.delete_dir(p)
