@@ -61,7 +61,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastic_ddp.parallel import build_strategy
+    from elastic_ddp.parallel.strategies import build_strategy
     from elastic_ddp.tasks.loading import build_model, load_task
 
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from elastic_ddp.checkpoint import CheckpointCorruptError, MANIFEST, checkpoint_name
 from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
-from elastic_ddp.parallel import build_strategy
+from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
 
 RUN = "sharded"
