@@ -155,7 +155,7 @@ def worker(args) -> None:
     out = {"rank": rank, "step_s": step_s, "blocked_s": statistics.median(blocked),
            "persisted_s": statistics.median(persisted), "restore_s": restore, "read_bytes": read,
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "params": sum(p.numel() for p in s.module.parameters()) * (ws if args.strategy == "fsdp" else 1)}
+           "params": sum(p.numel() for p in s.module.parameters())}  # DTensor: the global count
     parts = [None] * ws
     dist.all_gather_object(parts, out)
     if rank == 0:
