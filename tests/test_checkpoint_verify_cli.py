@@ -39,6 +39,7 @@ def _interrupted(tmp_path: Path) -> None:
     MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").set_terminated(run.info.run_id, "KILLED")
 
 
+@pytest.mark.timeout(1800)  # three CLI jobs, each starting its own local Ray
 def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data, tmp_path):
     from mlflow.tracking import MlflowClient
 
