@@ -68,7 +68,7 @@ def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
     from mlflow.tracking import MlflowClient
 
     local = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(
-        summary.run_id, "model/state.pt", str(tmp_path / "dl"))
-    state = torch.load(Path(local), weights_only=True)  # no map_location: saved on the CPU
-    assert all(t.device.type == "cpu" for t in state["model"].values())
-    build_model(cfg, load_task(cfg)).load_state_dict(state["model"])
+        summary.run_id, "model/model.pt", str(tmp_path / "dl"))
+    weights = torch.load(Path(local), weights_only=True)  # no map_location: saved on the CPU
+    assert all(t.device.type == "cpu" for t in weights.values())
+    build_model(cfg, load_task(cfg)).load_state_dict(weights)

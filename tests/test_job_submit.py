@@ -182,7 +182,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
     """The CLI run from another directory on a config of another checkout: the checkout
     is found from the config, its relative data/storage paths and the default MLflow
     store are made absolute against it (not against the current directory)."""
-    from elastic_ddp.checkpoint import load_state
+    from elastic_ddp.checkpoint.export import read_run_state
 
     root = _checkout(tmp_path / E2E_CHECKOUT / "repo", digits_data)
     elsewhere = tmp_path / "elsewhere"
@@ -200,7 +200,7 @@ def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_pa
 
     ckpts = sorted((root / "ray_results" / "submit-e2e").glob("checkpoint_*"))
     assert ckpts, "no checkpoint written under the checkout's ray_results"
-    state = load_state(ckpts[-1])  # weights_only=True load + format check
+    state = read_run_state(ckpts[-1])
     assert state["progress"]["epoch"] == 1 and state["progress"]["step"] > 0
     assert not list(elsewhere.iterdir())  # nothing landed in the submitter's directory
 
@@ -307,7 +307,7 @@ def test_resubmission_resumes_the_same_mlflow_run(cluster, digits_data, tmp_path
     restores the run from ``storage_path/name`` and the MLflow run continues."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from elastic_ddp.checkpoint import load_state
+    from elastic_ddp.checkpoint.export import read_run_state
     from elastic_ddp.driver.submit import auth_headers
 
     name = "resume-e2e"
@@ -366,5 +366,5 @@ def test_resubmission_resumes_the_same_mlflow_run(cluster, digits_data, tmp_path
     # The second submission's worker group counted after the first's (the run's tags).
     tags = client_ml.get_run(first.info.run_id).data.tags
     assert int(tags["elastic_ddp.attempts"]) >= 2, tags
-    final = load_state(sorted(run_dir.glob("checkpoint_*"))[-1])
+    final = read_run_state(sorted(run_dir.glob("checkpoint_*"))[-1])
     assert final["progress"]["epoch"] == 2

@@ -199,10 +199,10 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
     assert len(_history(client, summary.run_id, "val/acc")) == 3  # once per epoch
 
     # The model artifact loads in plain PyTorch and reproduces the reported accuracy.
-    local = Path(client.download_artifacts(summary.run_id, "model/state.pt", str(tmp_path / "dl")))
-    state = torch.load(local, map_location="cpu", weights_only=True)
-    assert state["progress"]["step"] == steps_total and state["format"] == "elastic-ddp/2"
-    acc, n_val = _val_accuracy_plain_torch(cfg, state["model"], digits_data / "val")
+    local = Path(client.download_artifacts(summary.run_id, "model", str(tmp_path / "dl")))
+    weights = torch.load(local / "model.pt", map_location="cpu", weights_only=True)
+    assert json.loads((local / "run_state.json").read_text())["progress"]["step"] == steps_total
+    acc, n_val = _val_accuracy_plain_torch(cfg, weights, digits_data / "val")
     print(f"[e2e digits] plain-torch val_acc {acc:.4f} over {n_val} rows")
     # Same weights, same rows: equal up to at most one float near-tie in argmax (the
     # workers evaluate in 16-row batches on two ranks, this in one batch).

@@ -194,6 +194,11 @@ class TrainConfig(Section):
     checkpoint_every_steps: int = Field(20, ge=1, description="Checkpoint cadence.")
     log_every_steps: int = Field(10, ge=1, description="Metrics cadence (and step 1).")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept (newest K).")
+    async_checkpoint: bool = Field(
+        False, description="Write checkpoints in the background (restart mode, several workers, "
+        "local or shared-file storage): the step loop waits only while the state is copied to "
+        "host memory; a checkpoint counts once every rank's write and the manifest are done."
+    )
     checksum_every_steps: int = Field(
         0, ge=0, description="Compare a parameter checksum across ranks; 0 disables."
     )

@@ -21,7 +21,8 @@ exit codes:
   1    training failed (its MLflow run is marked FAILED; checkpoints are kept), or
        submit could not reach the cluster
   2    bad config, data or arguments, or a missing optional dependency: no MLflow
-       run, no local Ray (on a running cluster the job's two actors are stopped)
+       run, no local Ray (on a running cluster the job's two actors are stopped);
+       or no checkpoint of the run passes its checksums
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
 """
 
@@ -111,6 +112,16 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--submission-id", default=None, help="job id (default: run name + time)")
     sb.add_argument("--wait", action="store_true", help="follow the logs; exit with the job's status")
 
+    ex = sub.add_parser("export", help="write a checkpoint's model alone as one file",
+                        description="Write the model of a checkpoint (a checkpoint_step<k> directory\n"
+                                    "of the run's storage path) as one plain PyTorch state dict\n"
+                                    "(torch.load(OUT, weights_only=True) -> model.load_state_dict),\n"
+                                    "or safetensors when OUT ends in .safetensors. The optimizer\n"
+                                    "state is not read.",
+                        epilog=EXIT_CODES, formatter_class=fmt)
+    ex.add_argument("checkpoint", help="checkpoint directory, e.g. ray_results/RUN/checkpoint_step00000120")
+    ex.add_argument("out", help="file to write (.pt, or .safetensors: needs the safetensors package)")
+
     sw = sub.add_parser("sweep", help="run a config at several fixed world sizes; scaling table + plots",
                         epilog=_CONFIG_EPILOG, formatter_class=fmt)
     _add_config_args(sw, "train.max_steps=100")
@@ -133,6 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _prepare(args)
         if args.cmd == "submit":
             return _submit(args)
+        if args.cmd == "export":
+            return _export(args)
         cfg = Config.load(args.config, args.overrides)
         if args.cmd in ("train", "sweep"):
             _route_library_logs(args.ray_logs)
@@ -223,6 +236,25 @@ def _prepare(args) -> int:
             n = len(out[split]["files"])
             parts.append(f"{split} {out[split]['num_rows']} rows in {n} file{'s' * (n != 1)}")
     print(f"elastic-ddp prepare {args.dataset}: {', '.join(parts)} -> {out.get('out_dir', args.out_dir)}")
+    return 0
+
+
+def _export(args) -> int:
+    from elastic_ddp.checkpoint import CheckpointError
+    from elastic_ddp.checkpoint.export import export
+
+    try:
+        out = export(args.checkpoint, args.out)
+    except CheckpointError as e:
+        print(f"elastic-ddp: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name != "safetensors":
+            raise
+        print("elastic-ddp: export to .safetensors needs the safetensors package: "
+              "pip install safetensors (or write a .pt file)", file=sys.stderr)
+        return 2
+    print(f"elastic-ddp export: {out['tensors']} tensors, {out['bytes']} bytes -> {out['out']}")
     return 0
 
 
@@ -325,7 +357,8 @@ def _train(cfg, args) -> int:
                         on_validated=show_config)
     except TrainingError as e:
         print(f"elastic-ddp: {e}", file=sys.stderr)
-        return 1
+        # No checkpoint of the run verifies: bad input on storage, refused as such.
+        return 2 if "CheckpointCorruptError" in str(e) else 1
     print(json.dumps(asdict(summary), indent=1, default=str) if args.json else format_summary(summary))
     return 0
 

@@ -18,13 +18,13 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
                ledger_dir: Optional[str], marks: dict, task=None, sample=None, n_train: int = 1,
                storage: str = "") -> Summary:
     """Close a finished job: flush the tracker, read the newest complete checkpoint, log
-    the final model (``model/state.pt`` and an MLflow PyTorch model), goodput, wall
+    the final model (``model/model.pt`` and an MLflow PyTorch model), goodput, wall
     seconds, start-up and recovery tables into the run, mark it FINISHED, and return the
     :class:`~elastic_ddp.driver.report.Summary`. ``t0``: the job's start (seconds since the
     epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run)."""
     import ray
 
-    from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
+    from elastic_ddp.checkpoint import checkpoint_step, newest_complete
 
     # Everything the workers and the controller sent, written before the run is read back.
     ray.get(tracker.flush.remote(60), timeout=90)
@@ -44,6 +44,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     events = recovery_events(snap, attempts)
     startup = startup_breakdown(snap, marks)
     state: dict = {}
+    weights = None
     ckpt = result.checkpoint
     model_id = None
     # A newer complete one in storage: written by a partial per-step quorum, or persisted
@@ -52,17 +53,26 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         if storage else None
     ckpt = newer or ckpt
     if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = load_state(d)
-            # The final model, loadable in plain PyTorch (no DDP "module." prefix).
-            tracking.log_artifact(uri, run_id, str(Path(d) / "state.pt"), "model")
-            tracking.log_artifact(uri, run_id, str(Path(d) / "config.json"), "model")
+        import tempfile
+
+        from elastic_ddp.checkpoint.export import model_state, read_run_state, save_model
+
+        with ckpt.as_directory() as d, tempfile.TemporaryDirectory(prefix="elastic-ddp-model-") as out:
+            state = read_run_state(d)
+            # The final model alone, loadable in plain PyTorch (no DDP "module." prefix);
+            # the optimizer state is never read.
+            weights = model_state(d)
+            save_model(weights, Path(out) / "model.pt")
+            tracking.log_artifact(uri, run_id, str(Path(out) / "model.pt"), "model")
+            for name in ("config.json", "run_state.json"):
+                if (Path(d) / name).is_file():
+                    tracking.log_artifact(uri, run_id, str(Path(d) / name), "model")
     counters = state.get("counters", {})
     progress = state.get("progress", {})
     gp = goodput(counters.get("committed_train_s", 0.0), wall)
     step = int(progress.get("step", 0))
-    if state.get("model") is not None and task is not None:
-        model_id = _log_mlflow_model(cfg, uri, run_id, task, state["model"], sample, step)
+    if weights is not None and task is not None:
+        model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, sample, step)
     # One value each, at the last step: scalars of the whole job (the UI's "Model
     # metrics" section); the start-up phases are a table, not eleven one-bar charts.
     tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
@@ -113,7 +123,7 @@ def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, s
     """Rebuild the job's model from its task, load rank 0's final weights and log it as
     an MLflow PyTorch model; its signature comes from one forward call on the val sample
     row. A model that cannot be rebuilt or pickled is reported and skipped (the plain
-    ``model/state.pt`` is there either way)."""
+    ``model/model.pt`` is there either way)."""
     import sys
 
     import torch
@@ -129,7 +139,7 @@ def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, s
         return tracking.log_model(uri, run_id, model, example, step)
     except Exception as e:  # noqa: BLE001 - the run's other records matter more
         print(f"elastic-ddp: warning: the final model was not logged as an MLflow model "
-              f"({type(e).__name__}: {str(e)[:300]}); model/state.pt holds its weights",
+              f"({type(e).__name__}: {str(e)[:300]}); model/model.pt holds its weights",
               file=sys.stderr, flush=True)
         return None
 

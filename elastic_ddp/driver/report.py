@@ -75,10 +75,12 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
     prev_attempt = None
     for ev in events:
         nxt = [a for a in attempts if a["first_step"] > ev["t"]]
-        if not nxt:
+        if not nxt or ev.get("type") == "checkpoint_rejected":  # not a restart
             continue
         ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
         ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))
+        if nxt[0].get("checkpoint"):
+            ev["resumed_from_checkpoint"] = nxt[0]["checkpoint"]
         ev["steps_recomputed"] = max(0, int(ev.get("last_step_seen", 0)) - ev["resumed_at_step"])
         if ledger_attempts:
             from elastic_ddp.ledger import recomputed_after
@@ -164,6 +166,10 @@ def format_summary(s: Summary) -> str:
         lines.append(f"command to first step: {s.startup['total_s']:.1f} s (" + ", ".join(
             f"{k.removesuffix('_s')} {v:.1f}" for k, v in s.startup.items() if k != "total_s") + ")")
     for ev in s.events:
+        if ev.get("type") == "checkpoint_rejected":
+            lines.append(f"  checkpoint rejected: {ev.get('checkpoint')}: "
+                         f"{', '.join(ev.get('bad_files', []))}")
+            continue
         lines.append(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
                      f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")
     if s.tracking.get("delayed") or s.tracking.get("dropped"):

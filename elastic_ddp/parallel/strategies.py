@@ -31,10 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from elastic_ddp.checkpoint import unwrap_state_dict
 from elastic_ddp.parallel.comm_hooks import (bf16_compress, load_powersgd_state, powersgd_state,  # noqa: F401
                                     powersgd_start_step, zero_memory_bytes)
 from elastic_ddp.config import Config
+
+
+def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without DDP's ``module.`` prefix (loadable in plain
+    PyTorch and at any world size), on the CPU."""
+    inner = getattr(model, "module", model)
+    return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
 
 
 def build_optimizer(cfg: Config, params, zero: bool = False) -> torch.optim.Optimizer:

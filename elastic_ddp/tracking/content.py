@@ -259,7 +259,7 @@ def log_model(uri: str, run_id: str, model, example: Optional[tuple] = None, ste
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     # Its warning that pickled models run code when loaded: true of any full-model pickle,
-    # and said once in the README; the weights-only model/state.pt is the safe copy.
+    # and said once in the README; the weights-only model/model.pt is the safe copy.
     pt_logger = logging.getLogger("mlflow.pytorch")
     pt_level = pt_logger.level
     pt_logger.setLevel(logging.ERROR)

@@ -35,7 +35,7 @@ What a run holds (so that the MLflow 3 UI reads like a published run):
 - The training and validation sets as dataset inputs (source = the Parquet path,
   digest = the scan's fingerprint, profile = rows/files/row groups).
 - The final model as an MLflow model (``mlflow.pytorch.load_model``-able) and its plain
-  ``model/state.pt``; tables (``mlflow.log_table`` JSON) of restart events and the
+  ``model/model.pt``; tables (``mlflow.log_table`` JSON) of restart events and the
   start-up profile.
 """
 

@@ -335,6 +335,11 @@ class TrackerClient:
         if self.actor is not None:
             self.actor.attempt.remote(**marks)
 
+    def event(self, event: dict[str, Any]) -> None:
+        """An event the run keeps (``events/events.json``), e.g. a rejected checkpoint."""
+        if self.actor is not None:
+            self.actor.event.remote(event)
+
     def start_attempt(self, world_size: int) -> Optional[dict[str, Any]]:
         """Rank 0: count this worker-group start (``JobTracker.start_attempt``); None on
         other ranks or when the tracker does not answer in 30 s."""

@@ -44,7 +44,6 @@ import logging
 import os
 from datetime import timedelta
 from pathlib import Path
-from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -251,22 +250,18 @@ class PerStepFaultTolerance:
 
     # -- torchft's view of the state: what a healing replica receives ----------------
     def _peer_state(self) -> dict:
-        t = self.t
-        s = t.strategy
-        return {"model": s.module.state_dict(), "optimizer": s.optimizer.state_dict(),
-                "progress": asdict(t.progress), "counters": asdict(t.counters)}
+        return self.t.state_dict()  # CheckpointManager.live_state
 
     def _load_peer_state(self, state: dict) -> None:
+        from elastic_ddp.checkpoint.manager import CheckpointManager
         from elastic_ddp.run_state import Counters, Progress
 
         t = self.t
-        s = t.strategy
-        s.module.load_state_dict(state["model"])
-        s.optimizer.load_state_dict(state["optimizer"])
+        run = CheckpointManager.load_live_state(t.strategy, state)
         # In place: the loop holds these objects.
-        t.progress.__dict__.update(Progress(**state["progress"]).__dict__)
+        t.progress.__dict__.update(Progress(**run["progress"]).__dict__)
         seen = t.counters.world_sizes_seen
-        t.counters.__dict__.update(Counters(**state["counters"]).__dict__)
+        t.counters.__dict__.update(Counters(**run["counters"]).__dict__)
         t.counters.world_sizes_seen = seen
         # The position moved forward: the reader warmed at the restored cursor
         # (fit) serves it if it is in the same epoch (RankLoader.ensure).
@@ -306,24 +301,13 @@ class PerStepFaultTolerance:
         return self.group.full
 
     def write_final(self) -> None:
-        import tempfile
-
-        from elastic_ddp.checkpoint import MANIFEST, save_state
-        from elastic_ddp.paths import uri_to_filesystem
-
+        """The final state straight to storage, by this replica alone (no report: Ray
+        Train's barrier would wait for replicas outside the quorum)."""
         t = self.t
         c = t.counters
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
-        fs, base = uri_to_filesystem(t.job.storage)
-        dest = f"{base.rstrip('/')}/{t.cfg.run.name}/checkpoint_step{t.progress.step:08d}"
-        with tempfile.TemporaryDirectory(prefix="elastic-ddp-ckpt-") as d:
-            save_state(d, t.state_dict(), config=t.job.config)
-            fs.create_dir(dest, recursive=True)
-            # The manifest last: a copy cut short is no complete checkpoint.
-            for f in sorted(Path(d).iterdir(), key=lambda f: f.name == MANIFEST):
-                with fs.open_output_stream(f"{dest}/{f.name}") as out:
-                    out.write(f.read_bytes())
+        t.ckpt.save(t.progress.step, t.strategy, t.run_state(), report=False, writer=True)
 
     def fit(self, loop: Callable[[], None]) -> None:
         """Run ``loop`` (the trainer's) between the done-marker check and torchft's

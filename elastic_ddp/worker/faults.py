@@ -23,9 +23,9 @@ class Fault:
 
     - ``step``: rank r SIGKILLs itself just before computing step k (its peers block in
       that step's all-reduce: a worker dying mid-step as seen by the group).
-    - ``checkpoint_write``: rank r (must be 0, the only writer) SIGKILLs itself inside
-      ``save_state`` of the checkpoint at step k, after half of ``state.pt.tmp`` is on
-      disk and before the ``os.replace``.
+    - ``checkpoint_write``: rank r SIGKILLs itself inside the write of the checkpoint at
+      step k (``CheckpointManager.save``), after its shards are written, with its first
+      shard cut to half its size, and before the manifest (a checkpoint never complete).
     - ``kill_always``: rank r SIGKILLs itself inside step k on every attempt, after the
       step's rows are read (a worker the kernel OOM-kills at the same step each time).
     - ``error``: rank r raises ``ValueError`` at step k on every attempt (a deterministic
@@ -72,14 +72,15 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def checkpoint_hook(self, step: int):
-        """The ``save_state(before_replace=...)`` hook for the checkpoint at ``step``, or None."""
+        """The ``CheckpointManager.save(fault_hook=...)`` hook for the checkpoint at
+        ``step`` (called with the path of one shard this rank wrote), or None."""
         if self.spec is None or self.spec.get("where") != "checkpoint_write" \
                 or int(self.spec["at_step"]) != step:
             return None
 
         def hook(tmp: Path) -> None:
             if self._arm("checkpoint_write", step):
-                # Leave a half-written file, as a crash inside torch.save would.
+                # Leave a half-written file, as a crash inside the write would.
                 with open(tmp, "r+b") as f:
                     f.truncate(max(1, tmp.stat().st_size // 2))
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,5 +1,6 @@
 """One rank's training run: the ``Trainer`` owns the run state (progress, counters, model,
-optimizer, strategy state) and is the only writer and reader of the checkpoint schema.
+optimizer, strategy state); its checkpoints go through ``elastic_ddp.checkpoint.manager``,
+the schema's only writer and reader.
 
     trainer = Trainer(job, rank, world_size, device)     # by elastic_ddp.worker.entry.train_func
     trainer.restore(ray.train.get_checkpoint())
@@ -23,7 +24,7 @@ import torch
 
 from elastic_ddp.compat.torch_nn import BatchNormBase
 from elastic_ddp.batching import lr_at, run_length, step_rows
-from elastic_ddp.checkpoint import CheckpointError, report
+from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.positions import Position
 from elastic_ddp.worker import fault_tolerance
@@ -73,6 +74,7 @@ class Trainer:
         self.progress = Progress()
         self.counters = Counters()
         self.resumed_from: Optional[int] = None
+        self.restored_path: Optional[str] = None  # the checkpoint restore() loaded
         self.tracker = TrackerClient(job.tracker, enabled=self.roles.may_log)
         self.fault = Fault(job.fault, rank)
         # Where this rank is (phase, step), for the controller when the process dies
@@ -82,34 +84,33 @@ class Trainer:
         self._nonfinite_run = 0
         self.loader = RankLoader(job, cfg, self.plan, world_size)
         self._eval_names: Optional[list[str]] = None
+        self.ckpt = CheckpointManager(job.storage, cfg.run.name, job.config, rank, world_size,
+                                      collective=self.comm_size > 1, log=self.log,
+                                      tracker=self.tracker, strategy_name=cfg.parallel.strategy)
 
-    # ---------------------------------------------------------------- checkpoint schema
-    def state_dict(self) -> dict[str, Any]:
-        """The full state, gathered (loads at any world size and in plain PyTorch):
-        ``model`` (no DDP prefix), ``optimizer`` (and ``comm_hook`` for PowerSGD),
+    # ---------------------------------------------------------------- checkpoint state
+    def run_state(self) -> dict[str, Any]:
+        """The small exact state a checkpoint keeps beside the model and optimizer (JSON):
         ``progress``, ``counters``, ``data`` (the training set's fingerprint and the order
-        settings) and the torch RNG. Collective for zero1/fsdp/PowerSGD: every rank calls
-        it; only rank 0's return is complete."""
-        return {**self.strategy.full_state(self.rank), "progress": asdict(self.progress),
-                "counters": asdict(self.counters), "data": self.state_dict_data(),
-                "world_size": self.world_size, "rng": torch.get_rng_state(),
-                **self.ft.state_dict()}
+        settings), and the fault-tolerance component's own (torchft's step counters)."""
+        return {"progress": asdict(self.progress), "counters": asdict(self.counters),
+                "data": self.state_dict_data(), **self.ft.state_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The live state a healing replica receives from a peer
+        (``CheckpointManager.live_state``): model, optimizer and the run state."""
+        return CheckpointManager.live_state(self.strategy, self.run_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict()`` written at any world size.
+        """Load a peer's ``state_dict()`` (``CheckpointManager.load_live_state``)."""
+        self.load_run_state(CheckpointManager.load_live_state(self.strategy, state))
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's run state (``run_state()``, written at any world size).
 
         Raises:
-            CheckpointError: another version, or a model/optimizer that does not fit.
             DataChangedError: written on other data or another order (``data.on_change``).
         """
-        try:
-            self.strategy.load_full_state(state)
-        except (RuntimeError, ValueError, KeyError) as e:
-            # The same on every attempt: as a CheckpointError the controller stops at once.
-            raise CheckpointError(
-                f"checkpoint at step {state['progress']['step']} does not fit this config's "
-                f"model/optimizer ({type(e).__name__}: {str(e).splitlines()[0][:300]}); resume "
-                "it with its own config (config.json beside state.pt) or set a new run.name") from e
         self.progress = Progress(**state["progress"])
         self.counters = Counters(**state["counters"])
         mine = self.state_dict_data()
@@ -131,27 +132,19 @@ class Trainer:
                 "block_rows": c.data.block_rows, "seed": c.seed}
 
     def restore(self, checkpoint) -> None:
-        """Load the newest complete checkpoint: the one Ray Train hands over, or a newer
-        one in storage that the controller had not registered yet when the group failed
-        (``checkpoint.newest_complete``). None and none in storage: a fresh start."""
-        from elastic_ddp.checkpoint import checkpoint_step, load_state, newest_complete
-
+        """Load the newest checkpoint that verifies (``CheckpointManager.restore``: a newer
+        one in storage than the one Ray Train hands over included). None: a fresh start."""
         self.at("restore", 0)
-        if self.job.storage:
-            newer = newest_complete(self.job.storage, self.cfg.run.name,
-                                    checkpoint_step(checkpoint.path) if checkpoint is not None else -1)
-            if newer is not None:
-                self.log(f"resuming from {newer.path}, newer than Ray Train's "
-                         f"{checkpoint.path if checkpoint is not None else 'none'}")
-                checkpoint = newer
-        if checkpoint is not None:
-            self.at("restore", checkpoint_step(checkpoint.path))
-            with checkpoint.as_directory() as d:
-                self.load_state_dict(load_state(d))
+        found = self.ckpt.restore(self.strategy, checkpoint)
+        if found is not None:
+            run_state, path = found
+            self.restored_path = path
+            self.at("restore", self.progress.step)
+            self.load_run_state(run_state)
             self.counters.restarts += 1
             self.resumed_from = self.progress.step
-            self.log(f"restored {checkpoint.path}: resume_step={self.progress.step} "
-                     f"epoch={self.progress.epoch + 1} cursor={self.progress.cursor}")
+            self.log(f"resume_step={self.progress.step} epoch={self.progress.epoch + 1} "
+                     f"cursor={self.progress.cursor} from {path}")
         self.counters.world_sizes_seen.append(self.world_size)
         # The job's worker-group starts so far (rank 0 asks the tracker): a restart
         # before the first checkpoint, or one from a checkpoint older than the last
@@ -175,10 +168,11 @@ class Trainer:
         c = self.counters
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
-        state = self.state_dict()
         p = self.progress
-        report(state if self.roles.lead else None, {"step": p.step, "epoch": p.epoch, **metrics},
-               p.step, config=self.job.config, before_replace=self.fault.checkpoint_hook(p.step))
+        self.ckpt.save(p.step, self.strategy, self.run_state(),
+                       {"step": p.step, "epoch": p.epoch, **metrics}, writer=self.roles.lead,
+                       fault_hook=self.fault.checkpoint_hook(p.step),
+                       asynchronous=self.cfg.train.async_checkpoint and not final)
 
     # -------------------------------------------------------------------------- loop
     @property
@@ -197,7 +191,7 @@ class Trainer:
         starts = self.roles.records_start
         if starts:
             self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
-                                 resumed_from=p.step)
+                                 resumed_from=p.step, checkpoint=self.restored_path)
             import torch.distributed as dist
 
             self.tracker.set_tags({"elastic_ddp.world_size": self.world_size,
@@ -214,6 +208,7 @@ class Trainer:
                     self.tracker.attempt(first_step=time.time(), step=p.step)
                     first = False
                 self.maybe_log()
+                self.ckpt.poll()  # an asynchronous checkpoint done on every rank: reported
                 if c.checksum_every_steps and p.step % c.checksum_every_steps == 0:
                     self.strategy.check_params_equal(p.step)
                 if not self.done and p.step % c.checkpoint_every_steps == 0 and p.cursor < self.n_train:

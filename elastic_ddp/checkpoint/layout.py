@@ -1,0 +1,195 @@
+"""A checkpoint directory on storage, its manifest and its checksums (no torch here: the
+Ray Train controller imports this module after a failure, and a torch import there would
+sit between the failure and the restart).
+
+A checkpoint of step k is the directory ``storage_path/run.name/checkpoint_step<k>``
+(8 digits) holding::
+
+    .metadata             torch.distributed.checkpoint's index of the shards
+    __<rank>_<i>.distcp   each writing rank's part of the model and optimizer state
+    run_state.json        progress, counters, the data fingerprint: small and exact
+    config.json           the job's config, so the checkpoint is self-describing
+    manifest.json         written last: format, step, world size, strategy, and every
+                          file's size and crc32 (``zlib.crc32`` of the bytes as written)
+
+A directory without a manifest, or whose files do not have the sizes the manifest names,
+is not complete (a write or a copy cut short) and is never restored from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from typing import Any, Iterable, Optional
+
+FORMAT = "elastic-ddp/3"
+LEGACY_FORMAT = "elastic-ddp/2"
+MANIFEST = "manifest.json"
+RUN_STATE = "run_state.json"
+CONFIG = "config.json"
+LEGACY_STATE_FILE = "state.pt"
+_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable, or not written by elastic-ddp."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """No checkpoint of the run passes its checksums (the CLI exits 2 on it)."""
+
+
+#: ``checkpoint_step<k>``, or ``checkpoint_step<k>_r<n>``: step k written again after a
+#: restore from an older checkpoint, beside the first one (which Ray Train may have
+#: registered and will delete by its own bookkeeping: it is never rewritten in place).
+_NAME = re.compile(r"checkpoint_step(\d+)(?:_r(\d+))?")
+
+
+def checkpoint_name(step: int, rewrite: int = 0) -> str:
+    return f"checkpoint_step{step:08d}" + (f"_r{rewrite}" if rewrite else "")
+
+
+def _order(name: str) -> Optional[tuple[int, int]]:
+    m = _NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def checkpoint_step(path: str) -> int:
+    """The step in a ``checkpoint_step<k>`` directory name (-1 for another name)."""
+    o = _order(str(path).rstrip("/").rsplit("/", 1)[-1])
+    return o[0] if o else -1
+
+
+def run_dir(storage_path: str, run_name: str):
+    """(pyarrow file system, the run's directory on it)."""
+    from elastic_ddp.paths import uri_to_filesystem
+
+    fs, base = uri_to_filesystem(storage_path)
+    return fs, f"{base.rstrip('/')}/{run_name}"
+
+
+def crc32_stream(f) -> tuple[int, int]:
+    """(crc32, bytes) of a binary stream read to its end in 8 MiB chunks."""
+    crc, n = 0, 0
+    while True:
+        b = f.read(_CHUNK)
+        if not b:
+            return crc, n
+        crc, n = zlib.crc32(b, crc), n + len(b)
+
+
+def file_record(fs, path: str) -> dict[str, int]:
+    """``{"bytes", "crc32"}`` of one file (read once)."""
+    with fs.open_input_stream(path) as f:
+        crc, n = crc32_stream(f)
+    return {"bytes": n, "crc32": crc}
+
+
+def read_manifest(fs, path: str) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``.
+
+    Raises:
+        OSError: no manifest. ValueError: not JSON.
+    """
+    with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+        return json.loads(f.read())
+
+
+def is_complete(fs, path: str, manifest: dict) -> bool:
+    """Every file the manifest names exists with its recorded size (a stat per file; no
+    read). A legacy ``state.pt`` manifest names the one file's size as ``state_bytes``."""
+    import pyarrow.fs as pafs
+
+    if manifest.get("format") == LEGACY_FORMAT or "state_bytes" in manifest:
+        sizes = {LEGACY_STATE_FILE: manifest["state_bytes"]}
+    else:
+        sizes = {n: r["bytes"] for n, r in manifest["files"].items()}
+    infos = fs.get_file_info([f"{path}/{n}" for n in sizes])
+    return all(i.type == pafs.FileType.File and i.size == want
+               for i, want in zip(infos, sizes.values()))
+
+
+def bad_files(fs, path: str, manifest: dict, names: Iterable[str]) -> list[str]:
+    """The files among ``names`` whose size or crc32 differs from the manifest's (each
+    read once in full: the cost of verifying is one read of those bytes), as
+    ``"name (why)"`` lines."""
+    out = []
+    for name in names:
+        want = manifest["files"][name]
+        try:
+            got = file_record(fs, f"{path}/{name}")
+        except OSError as e:
+            out.append(f"{name} (unreadable: {e})")
+            continue
+        if got["bytes"] != want["bytes"]:
+            out.append(f"{name} ({got['bytes']} bytes, the manifest says {want['bytes']})")
+        elif got["crc32"] != want["crc32"]:
+            out.append(f"{name} (crc32 {got['crc32']:08x}, the manifest says {want['crc32']:08x})")
+    return out
+
+
+def complete_checkpoints(storage_path: str, run_name: str, newer_than: int = -1,
+                         sizes: bool = True) -> list[tuple[int, str]]:
+    """``(step, path)`` of the run's complete checkpoints above ``newer_than``, newest
+    first (``is_complete``: sizes only, no read). ``sizes=False``: every one with a
+    manifest (a restore then names the files whose size is wrong)."""
+    import pyarrow.fs as pafs
+
+    fs, base = run_dir(storage_path, run_name)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except OSError:
+        return []
+    steps = sorted(((o, i.path) for i in infos
+                    if i.type == pafs.FileType.Directory and (o := _order(i.base_name))), reverse=True)
+    out = []
+    for (step, _), path in steps:
+        if step <= newer_than:
+            break
+        try:
+            manifest = read_manifest(fs, path)
+            if not sizes or is_complete(fs, path, manifest):
+                out.append((step, path))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+def newest_complete(storage_path: str, run_name: str, newer_than: int = -1):
+    """The newest complete checkpoint under ``storage_path/run_name`` as a
+    ``ray.train.Checkpoint``, if its step is above ``newer_than``; else None.
+
+    Why: ``ray.train.report`` persists a checkpoint before the controller registers it
+    (at its next poll), so a worker that dies right after a report restarts from the
+    previous one in ``ray.train.get_checkpoint()``. Storage knows better."""
+    found = complete_checkpoints(storage_path, run_name, newer_than)
+    if not found:
+        return None
+    from ray.train import Checkpoint
+
+    fs, _ = run_dir(storage_path, run_name)
+    return Checkpoint(found[0][1], filesystem=fs)
+
+
+def incomplete_checkpoints(storage_path: str, run_name: str, newer_than: int) -> list[str]:
+    """Paths of the run's checkpoint directories above step ``newer_than`` that are not
+    complete (a write cut short): removed at a restore, so nothing half-written stays."""
+    import pyarrow.fs as pafs
+
+    fs, base = run_dir(storage_path, run_name)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except OSError:
+        return []
+    done = {p for _, p in complete_checkpoints(storage_path, run_name, newer_than)}
+    return [i.path for i in infos if i.type == pafs.FileType.Directory
+            and checkpoint_step(i.base_name) > newer_than and i.path not in done]
+
+
+def describe(manifest: Optional[dict]) -> str:
+    """``"step k, world size N, fsdp"`` for log lines."""
+    if not manifest:
+        return "?"
+    return (f"step {manifest.get('step')}, world size {manifest.get('world_size')}, "
+            f"{manifest.get('strategy')}")

@@ -1,0 +1,232 @@
+"""Checkpoint cost by model size: this project's sharded path (synchronous and
+asynchronous), the full-state path of an older checkout (one ``state.pt`` built by rank 0)
+and plain DCP ``async_save`` (the torchtitan way), side by side in one run, on 2 ranks of
+gloo started by ``torchrun``.
+
+    .venv/bin/python experiments/bench_checkpoint.py --sizes 2x128,4x256,8x512
+    .venv/bin/python experiments/bench_checkpoint.py --checkout <commit>   # the old path
+
+Model: the gpt task widened (``n_layer x n_embd``, block 64), AdamW, strategies ddp and
+fsdp. Per (size, strategy, path), printed: parameters, state bytes on disk, one training
+step (s), training-blocked seconds of one checkpoint (the slowest rank's time inside the
+save call), seconds until persisted (until the manifest, or the future, is done), restore
+seconds (a fresh process group, a fresh model; checksums included for this project),
+bytes read per rank at restore (``rchar`` of /proc/self/io: page-cache reads count too)
+and peak RSS per rank; then the ratios against the full-state path. Each row is the
+median of ``--repeat`` checkpoints after one warm-up.
+
+``--checkout REV``: the commit whose ``elastic_ddp`` is the full-state path (default:
+the parent of the commit that made ``elastic_ddp/checkpoint.py`` a package), checked
+out with ``git worktree`` into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("full_state", "sharded", "sharded_async", "dcp_async")
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(ln for ln in f if ln.startswith("rchar")).split()[1])
+
+
+def _cfg(size: str, strategy: str):
+    from elastic_ddp.config import Config
+
+    layers, width = (int(v) for v in size.split("x"))
+    return Config.from_dict({
+        "data": {"train_path": "unused"}, "task": {"kwargs": {"block_size": 64}},
+        "model": {"name": "gpt", "kwargs": {"n_layer": layers, "n_head": max(1, width // 64),
+                                             "n_embd": width}},
+        "optim": {"name": "adamw", "lr": 1e-3}, "parallel": {"strategy": strategy},
+        "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+        "scaling": {"min_workers": 1, "max_workers": 2}})
+
+
+def worker(args) -> None:
+    """One rank under torchrun: train a step, checkpoint ``--repeat``+1 times, restore."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic_ddp.parallel.strategies import build_strategy
+    from elastic_ddp.tasks.loading import build_model, load_task
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    cfg = _cfg(args.size, args.strategy)
+    task = load_task(cfg)
+
+    def fresh():
+        torch.manual_seed(0)
+        return build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
+
+    s = fresh()
+    x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> float:
+        t = time.perf_counter()
+        loss, _ = task.loss(s.model, {"tokens": x})
+        loss.mean().backward()
+        s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    step()
+    step_s = step()
+    store = Path(args.out)
+    blocked, persisted = [], []
+    path = args.path
+    for k in range(args.repeat + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if path == "full_state":
+            from elastic_ddp.checkpoint import save_state
+
+            state = s.full_state(rank)
+            if rank == 0:
+                save_state(store / f"ck{k}", {**state, "progress": {}, "counters": {}, "data": {}})
+            dist.barrier()  # ray.train.report's barrier: every rank waits for rank 0
+            t1 = t2 = time.perf_counter()
+        elif path.startswith("sharded"):
+            from elastic_ddp.checkpoint.manager import CheckpointManager
+
+            m = CheckpointManager(str(store), "run", {}, rank, ws, collective=True,
+                                  log=lambda _: None, strategy_name=args.strategy)
+            m.save(k, s, {"progress": {}}, report=False, asynchronous=path == "sharded_async")
+            t1 = time.perf_counter()
+            step()  # the loop goes on while the write runs
+            m.wait()
+            t2 = time.perf_counter()
+        else:  # plain DCP async_save, the torchtitan way
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            if k == 0:
+                pg = dist.new_group(backend="gloo")
+            msd, osd = get_state_dict(s.module, s.optimizer)
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(store / f"ck{k}"),
+                                 process_group=pg)
+            t1 = time.perf_counter()
+            step()
+            fut.result()
+            dist.barrier()
+            t2 = time.perf_counter()
+        dt = torch.tensor([t1 - t0, t2 - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if k:
+            blocked.append(float(dt[0]))
+            # The step run during the write is not persisting time.
+            persisted.append(float(dt[1]) - (step_s if path not in ("full_state",) else 0.0))
+    last = args.repeat
+    del s
+    s = fresh()
+    dist.barrier()
+    r0, t0 = _rchar(), time.perf_counter()
+    if path == "full_state":
+        from elastic_ddp.checkpoint import load_state
+
+        s.load_full_state(load_state(store / f"ck{last}"))
+    elif path.startswith("sharded"):
+        CheckpointManager(str(store), "run", {}, rank, ws, collective=True,
+                          log=lambda _: None).restore(s)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(s.module, s.optimizer)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(store / f"ck{last}"))
+        set_state_dict(s.module, s.optimizer, model_state_dict=msd, optim_state_dict=osd)
+    restore = time.perf_counter() - t0
+    read = _rchar() - r0
+    out = {"rank": rank, "step_s": step_s, "blocked_s": statistics.median(blocked),
+           "persisted_s": statistics.median(persisted), "restore_s": restore, "read_bytes": read,
+           "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "params": sum(p.numel() for p in s.module.parameters())}  # DTensor: the global count
+    parts = [None] * ws
+    dist.all_gather_object(parts, out)
+    if rank == 0:
+        disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) / (args.repeat + 1)
+        print("RESULT " + json.dumps({"ranks": parts, "disk_bytes": disk}), flush=True)
+    dist.destroy_process_group()
+
+
+def _old_checkout(rev: str | None) -> Path:
+    if rev is None:
+        made = subprocess.run(["git", "-C", str(ROOT), "rev-list", "-1", "HEAD", "--",
+                               "elastic_ddp/checkpoint.py"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        rev = f"{made}^"
+    d = Path(tempfile.mkdtemp(prefix="bench-ckpt-old-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(d), rev],
+                   check=True, capture_output=True)
+    return d
+
+
+def run_one(size: str, strategy: str, path: str, repeat: int, code: Path) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as out:
+        env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1")
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+               str(Path(__file__).resolve()), "--worker", "--size", size, "--strategy", strategy,
+               "--path", path, "--repeat", str(repeat), "--out", out]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, check=False)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"{size} {strategy} {path} failed:\n{p.stderr[-3000:]}")
+        return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="2x128,4x256,8x512", help="n_layer x n_embd, comma-separated")
+    ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--repeat", type=int, default=2, help="checkpoints measured after one warm-up")
+    ap.add_argument("--checkout", default=None, help="commit of the full-state path")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--size"), ap.add_argument("--strategy"), ap.add_argument("--path")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    old = _old_checkout(args.checkout)
+    try:
+        print(f"{'size':>7} {'strat':>5} {'path':>13} {'params':>9} {'disk MB':>8} {'step s':>7} "
+              f"{'blocked s':>9} {'persist s':>9} {'restore s':>9} {'read MB/rank':>12} "
+              f"{'RSS MB r0/r1':>13}  ratios vs full_state (blocked, restore)")
+        for size in args.sizes.split(","):
+            for strategy in args.strategies.split(","):
+                ref = None
+                for path in PATHS:
+                    r = run_one(size, strategy, path, args.repeat, old if path == "full_state" else ROOT)
+                    k = r["ranks"]
+                    row = {f: max(x[f] for x in k) for f in ("step_s", "blocked_s", "persisted_s", "restore_s")}
+                    ref = ref or row
+                    reads = "/".join(f"{x['read_bytes'] / 1e6:.0f}" for x in k)
+                    rss = "/".join(f"{x['rss_mb']:.0f}" for x in k)
+                    print(f"{size:>7} {strategy:>5} {path:>13} {k[0]['params'] / 1e6:>8.1f}M "
+                          f"{r['disk_bytes'] / 1e6:>8.1f} {row['step_s']:>7.2f} {row['blocked_s']:>9.3f} "
+                          f"{row['persisted_s']:>9.3f} {row['restore_s']:>9.3f} "
+                          f"{reads:>12} {rss:>13}  "
+                          f"{row['blocked_s'] / ref['blocked_s']:.2f}x, {row['restore_s'] / ref['restore_s']:.2f}x",
+                          flush=True)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
+                       capture_output=True, check=False)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Sharded checkpoints (``elastic_ddp.checkpoint.manager``) on real gloo process groups
+(torch.multiprocessing, no Ray): ddp, zero1 and fsdp write at world size 2, each rank its
+own shard file, and resume at world sizes 1 and 3 on the uninterrupted curve; a file that
+fails its checksum makes the restore fall back to the previous checkpoint, naming it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic_ddp.checkpoint import CheckpointCorruptError, MANIFEST, checkpoint_name
+from elastic_ddp.checkpoint.manager import CheckpointManager
+from elastic_ddp.config import Config
+from elastic_ddp.parallel.strategies import build_strategy
+from elastic_ddp.tasks.loading import build_model, load_task
+
+RUN = "sharded"
+
+
+def _cfg(strategy: str) -> Config:
+    return Config.from_dict({
+        "data": {"train_path": "unused"}, "task": {"kwargs": {"block_size": 16}},
+        "model": {"name": "gpt", "kwargs": {"n_embd": 32, "n_head": 2, "n_layer": 2}},
+        "optim": {"name": "adamw", "lr": 3e-3}, "parallel": {"strategy": strategy},
+        "scaling": {"min_workers": 1, "max_workers": 3},
+        "batch": {"global_batch_size": 12, "micro_batch_size": 12, "policy": "uneven"}})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _steps(strategy, cfg, task, first: int, n: int, rank: int, ws: int) -> list[float]:
+    """Steps first..first+n-1 on fixed global batches of 12 rows split evenly over ws."""
+    losses = []
+    for step in range(first, first + n):
+        x = torch.randint(0, 256, (12, 17), generator=torch.Generator().manual_seed(1000 + step))
+        per = 12 // ws
+        loss_vec, _ = task.loss(strategy.model, {"tokens": x[rank * per:(rank + 1) * per]})
+        (loss_vec.sum() * ws / 12).backward()
+        strategy.clip_grad_norm(1.0)
+        strategy.optimizer.step()
+        strategy.optimizer.zero_grad(set_to_none=True)
+        t = torch.tensor([float(loss_vec.detach().sum())])
+        if ws > 1:
+            dist.all_reduce(t)
+        losses.append(float(t) / 12)
+    return losses
+
+
+def _exits_cleanly(fn):
+    """``os._exit(0)`` once a rank's body returned: gloo's C++ threads can abort a clean
+    interpreter exit (an exception still propagates to torch's spawn)."""
+    @functools.wraps(fn)
+    def run(*args):
+        fn(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return run
+
+
+@_exits_cleanly
+def _worker(rank, ws, port, job, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    try:
+        cfg = _cfg(job["strategy"])
+        task = load_task(cfg)
+        torch.manual_seed(0)
+        strategy = build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
+        mgr = CheckpointManager(out, RUN, {"c": 1}, rank, ws, collective=ws > 1,
+                                log=lambda m: None, strategy_name=job["strategy"])
+        first = 0
+        if job.get("restore"):
+            run_state, _ = mgr.restore(strategy)
+            first = run_state["progress"]["step"]
+        if job.get("async_kill"):
+            _async_then_kill(mgr, strategy, cfg, task, rank, ws, out)
+        losses = _steps(strategy, cfg, task, first, job["steps"], rank, ws)
+        if job.get("save"):
+            mgr.save(first + job["steps"], strategy, {"progress": {"step": first + job["steps"]}},
+                     report=False)
+        if rank == 0:
+            torch.save(torch.tensor(losses), Path(out) / job["result"])
+    finally:
+        dist.destroy_process_group()
+
+
+def _async_then_kill(mgr, strategy, cfg, task, rank, ws, out):
+    """Steps 0-2, an asynchronous checkpoint at 3 while steps 3-5 train (polled each
+    step), then one at 6 whose write rank 0 dies in (shard cut short, no manifest)."""
+    import signal
+
+    _steps(strategy, cfg, task, 0, 3, rank, ws)
+    mgr.save(3, strategy, {"progress": {"step": 3}}, report=False, asynchronous=True)
+    for k in range(3, 6):
+        _steps(strategy, cfg, task, k, 1, rank, ws)
+        mgr.poll()
+    mgr.wait()
+
+    def die(shard: str) -> None:
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+        Path(out, "killed").write_text(shard)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    mgr.save(6, strategy, {"progress": {"step": 6}}, report=False, asynchronous=True,
+             fault_hook=die if rank == 0 else None)
+    mgr.wait()
+    raise AssertionError("rank 0 should have died inside the background write")
+
+
+def _run(ws: int, job: dict, out: Path) -> torch.Tensor:
+    mp.start_processes(_worker, args=(ws, _free_port(), job, str(out)), nprocs=ws,
+                       start_method="spawn")
+    return torch.load(out / job["result"], weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Plain ddp at world size 2, 6 steps uninterrupted."""
+    out = tmp_path_factory.mktemp("ref")
+    return _run(2, {"strategy": "ddp", "steps": 6, "result": "ref.pt"}, out)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_written_at_2_by_every_rank_resumes_at_1_and_3(reference, tmp_path, strategy):
+    _run(2, {"strategy": strategy, "steps": 3, "save": True, "result": "a.pt"}, tmp_path)
+    d = tmp_path / RUN / checkpoint_name(3)
+    manifest = json.loads((d / MANIFEST).read_text())
+    shards = sorted(f for f in manifest["files"] if f.endswith(".distcp"))
+    # Each rank wrote its own part; none holds the whole state.
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], manifest["files"]
+    sizes = [manifest["files"][f]["bytes"] for f in shards]
+    assert max(sizes) < 0.75 * sum(sizes), f"one rank wrote most of the state: {sizes}"
+    assert manifest["world_size"] == 2 and manifest["step"] == 3
+    for ws in (1, 3):
+        got = _run(ws, {"strategy": strategy, "steps": 3, "restore": True, "result": f"r{ws}.pt"},
+                   tmp_path)
+        rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
+        assert rel <= 1e-4, f"{strategy} written at 2, resumed at {ws}: drifts by {rel:.2e}"
+
+
+def test_a_kill_during_an_asynchronous_write_leaves_the_previous_checkpoint(reference, tmp_path):
+    with pytest.raises(mp.ProcessExitedException):
+        _run(2, {"strategy": "fsdp", "steps": 0, "async_kill": True, "result": "x.pt"}, tmp_path)
+    assert (tmp_path / "killed").exists()
+    torn = tmp_path / RUN / checkpoint_name(6)
+    assert torn.is_dir() and not (torn / MANIFEST).exists()
+    # The restart point is step 3's checkpoint, written while steps 3-5 trained: its
+    # content is step 3's state (staged before the loop moved on).
+    got = _run(2, {"strategy": "fsdp", "steps": 3, "restore": True, "result": "r.pt"}, tmp_path)
+    rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
+    assert rel <= 1e-4, f"resumed from the asynchronous checkpoint: drifts by {rel:.2e}"
+    assert not torn.exists(), "the torn checkpoint should be removed at the restore"
+
+
+def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):
+    """``elastic-ddp export`` as a user runs it: one file, ``torch.load(weights_only=True)``
+    into the task's model, the same loss as the trained model; the optimizer state is
+    not in it."""
+    import subprocess
+
+    cfg = _cfg("ddp")
+    task = load_task(cfg)
+    mgr, _ = _single(tmp_path, [2])
+    torch.manual_seed(2)
+    want = build_model(cfg, task)
+    out = tmp_path / "model.pt"
+    p = subprocess.run([sys.executable, "-m", "elastic_ddp", "export",
+                        str(tmp_path / RUN / checkpoint_name(2)), str(out)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    sd = torch.load(out, weights_only=True)
+    assert set(sd) == set(want.state_dict()), "only the model's entries"
+    model = build_model(cfg, task)
+    model.load_state_dict(sd)
+    x = torch.randint(0, 256, (6, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(task.loss(model, {"tokens": x})[0], task.loss(want, {"tokens": x})[0])
+    bad = subprocess.run([sys.executable, "-m", "elastic_ddp", "export", str(tmp_path),
+                          str(tmp_path / "m2.pt")], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert bad.returncode == 2 and "not an elastic-ddp checkpoint directory" in bad.stderr
+    assert not (tmp_path / "m2.pt").exists()
+
+
+def test_a_legacy_state_pt_checkpoint_still_restores_and_exports(tmp_path):
+    """Format elastic-ddp/2 (one state.pt): a run resumes across the change of format."""
+    from elastic_ddp.checkpoint.export import model_state
+
+    cfg = _cfg("ddp")
+    torch.manual_seed(4)
+    old = build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
+    d = tmp_path / RUN / checkpoint_name(4)
+    d.mkdir(parents=True)
+    torch.save({"format": "elastic-ddp/2", **old.full_state(0), "progress": {"step": 4},
+                "counters": {}, "data": {}}, d / "state.pt")
+    (d / MANIFEST).write_text(json.dumps({"state_bytes": (d / "state.pt").stat().st_size,
+                                          "format": "elastic-ddp/2"}))
+    mgr, fresh = _single(tmp_path / "other", [])
+    mgr.storage = str(tmp_path)
+    run_state, path = mgr.restore(fresh)
+    assert run_state["progress"]["step"] == 4 and path == str(d)
+    want = old.module.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in fresh.module.state_dict().items())
+    assert all(torch.equal(want[k], v) for k, v in model_state(d).items())
+
+
+def _single(tmp_path: Path, steps: list[int]):
+    """Checkpoints of one process (no process group) at ``steps``; a fresh strategy."""
+    cfg = _cfg("ddp")
+    mgr = CheckpointManager(str(tmp_path), RUN, None, 0, 1, collective=False, log=lambda m: None)
+    for k in steps:
+        torch.manual_seed(k)
+        s = build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
+        mgr.save(k, s, {"progress": {"step": k}}, report=False)
+    torch.manual_seed(99)
+    return mgr, build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capfd, damage):
+    mgr, fresh = _single(tmp_path, [2, 4])
+    shard = tmp_path / RUN / checkpoint_name(4) / "__0_0.distcp"
+    size = shard.stat().st_size
+    if damage == "zeroed":
+        shard.write_bytes(b"\0" * size)  # the same size: only the checksum can tell
+    else:
+        with open(shard, "r+b") as f:
+            f.truncate(size // 2)
+    run_state, path = mgr.restore(fresh)
+    assert run_state["progress"]["step"] == 2 and path.endswith(checkpoint_name(2))
+    err = capfd.readouterr().err
+    assert f"checkpoint {tmp_path / RUN / checkpoint_name(4)} fails its checksums: __0_0.distcp" in err
+    # The restored weights are step 2's, exactly.
+    torch.manual_seed(2)
+    cfg = _cfg("ddp")
+    want = build_model(cfg, load_task(cfg)).state_dict()
+    assert all(torch.equal(want[k], v) for k, v in fresh.module.state_dict().items())
+
+
+def test_no_checkpoint_that_verifies_is_refused_naming_each_bad_file(tmp_path):
+    mgr, fresh = _single(tmp_path, [2])
+    bad = tmp_path / RUN / checkpoint_name(2) / "run_state.json"
+    bad.write_text(bad.read_text().replace('"step": 2', '"step": 7'))  # same length
+    with pytest.raises(CheckpointCorruptError, match=r"checkpoint_step00000002: run_state.json \(crc32"):
+        mgr.restore(fresh)

@@ -1,0 +1,83 @@
+"""A damaged checkpoint met as a user meets it, through the CLI on a real local Ray
+cluster: a zeroed file (same size) and a truncated file in the two newest checkpoints ->
+the rerun resumes from the one before, and its summary names each bad file and
+checkpoint; with no checkpoint left that verifies, the rerun exits 2 naming them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import digits_config, mlflow_runs
+
+pytestmark = pytest.mark.ray
+
+RUN = "verify-cli"
+
+
+def _cli(cfg: dict, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([sys.executable, "-m", "elastic_ddp", "train", str(path),
+                           "--no-progress", *extra], capture_output=True, text=True, timeout=900)
+
+
+def _ckpts(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "ray_results" / RUN).glob("checkpoint_step*"))
+
+
+def _interrupted(tmp_path: Path) -> None:
+    """Mark the job's MLflow run KILLED, as a Ctrl-C after its last checkpoint leaves it:
+    running the same config again then resumes it (a FINISHED run starts a new one)."""
+    from mlflow.tracking import MlflowClient
+
+    (run,) = mlflow_runs(tmp_path)
+    MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").set_terminated(run.info.run_id, "KILLED")
+
+
+@pytest.mark.timeout(1800)  # three CLI jobs, each starting its own local Ray
+def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    # 23 steps an epoch: checkpoints at 5, 10, 15, 20 and the epoch's end, 23.
+    extra = {"run": {"name": RUN}, "scaling": {"max_failures": 0},
+             "train": {"epochs": 1, "checkpoint_every_steps": 5, "log_every_steps": 1,
+                       "keep_checkpoints": 4}}
+    first = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpts = _ckpts(tmp_path)
+    assert [c.name[-2:] for c in ckpts] == ["10", "15", "20", "23"], ckpts
+    zeroed = ckpts[-1] / "__1_0.distcp"
+    zeroed.write_bytes(b"\0" * zeroed.stat().st_size)
+    cut = ckpts[-2] / "__0_0.distcp"
+    with open(cut, "r+b") as f:
+        f.truncate(cut.stat().st_size // 2)
+
+    _interrupted(tmp_path)
+    extra["train"]["epochs"] = 2
+    second = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = second.stdout
+    assert f"checkpoint rejected: {ckpts[-1]}: __1_0.distcp (crc32" in out, out[-3000:]
+    assert f"checkpoint rejected: {ckpts[-2]}: __0_0.distcp (" in out, out[-3000:]
+    # Resumed from step 15: steps 16..23 were trained (and logged) twice, 1..15 once.
+    (run,) = mlflow_runs(tmp_path)
+    hist = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
+        run.info.run_id, "train/loss")
+    twice = sorted({m.step for m in hist if sum(h.step == m.step for h in hist) == 2})
+    assert twice == list(range(16, 24)), twice
+    assert run.info.status == "FINISHED"
+
+    # No checkpoint that verifies: refused, exit 2, each bad file named.
+    _interrupted(tmp_path)
+    for c in _ckpts(tmp_path):
+        (c / "__0_0.distcp").write_bytes(b"\0" * (c / "__0_0.distcp").stat().st_size)
+    extra["train"]["epochs"] = 3
+    third = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
+    assert third.returncode == 2, (third.returncode, third.stderr[-3000:])
+    assert "CheckpointCorruptError" in third.stderr and "__0_0.distcp (crc32" in third.stderr, \
+        third.stderr[-3000:]
