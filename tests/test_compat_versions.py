@@ -25,7 +25,8 @@ def _build(digits_data, tmp_path, extra=None):
     from elastic_ddp.driver.preflight import prepare
     from elastic_ddp.run_state import JobSpec
 
-    cfg = Config.from_dict(digits_config(digits_data, tmp_path, {"scaling": {"use_gpu": False}, **(extra or {})}))
+    raw = digits_config(digits_data, tmp_path, {"scaling": {"use_gpu": False}, **(extra or {})})
+    cfg = Config.from_dict(raw)
     task, train_info, val_info, sample = prepare(cfg, None)
     job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info, val=val_info,
                   tracker=None, t0=0.0, sample=sample, storage=str(tmp_path / "ray_results"))
@@ -60,10 +61,12 @@ def test_every_tested_release_gets_every_override_and_any_other_none():
         assert all(plan.applies(o.key) for o in OVERRIDES)
     newest = max(TESTED_RAY, key=release_key)
     major, minor, _ = newest.split(".")
-    for v in (f"{major}.{int(minor) + 1}.0", newest + ".post1", "2.55.1", "3.0.0.dev0", f"{major}.{minor}.9"):
+    later, patch = f"{major}.{int(minor) + 1}.0", f"{major}.{minor}.9"
+    for v in (later, patch, newest + ".post1", "2.55.1", "3.0.0.dev0"):
         plan = ray_plan(v)
         assert plan.applied == () and not any(plan.applies(o.key) for o in OVERRIDES), v
-        assert plan.warning.startswith(f"elastic-ddp: warning: Ray {v} is not a release") and "\n" not in plan.warning
+        assert plan.warning.startswith(f"elastic-ddp: warning: Ray {v} is not a release"), plan.warning
+        assert "\n" not in plan.warning
         assert all(o.name in plan.warning for o in OVERRIDES)
     with pytest.raises(KeyError, match="no compat override 'controler_host'"):
         ray_plan(newest).applies("controler_host")
@@ -86,19 +89,21 @@ def test_a_tested_ray_builds_elastic_ddps_trainer_without_a_warning(digits_data,
     assert capsys.readouterr().err == ""
 
 
-def test_an_untested_ray_builds_stock_ray_train_with_one_warning_line(digits_data, tmp_path, capsys, untested_ray):
+def test_an_untested_ray_builds_stock_ray_train_with_one_warning_line(digits_data, tmp_path, capsys,
+                                                                      untested_ray):
     first = _parts(_build(digits_data, tmp_path))
     second = _parts(_build(digits_data, tmp_path))  # a sweep's next trial: no second line
     for parts in (first, second):
         assert parts["stock_class"] and parts["ray_torch_config"]
         assert parts["callbacks"] == ["ElasticEvents"]  # the public UserCallback only
-        assert {"DatasetsCallback", "PlacementGroupCleanerCallback", "BackendSetupCallback"} <= parts["defaults"]
+        assert {"DatasetsCallback", "PlacementGroupCleanerCallback",
+                "BackendSetupCallback"} <= parts["defaults"]
     err = capsys.readouterr().err.splitlines()
     assert err == [ray_plan(untested_ray).warning], err
 
 
-def test_an_override_tested_on_fewer_releases_is_the_only_one_skipped(digits_data, tmp_path, capsys, untested_ray,
-                                                                       monkeypatch):
+def test_an_override_tested_on_fewer_releases_is_the_only_one_skipped(digits_data, tmp_path, capsys,
+                                                                       untested_ray, monkeypatch):
     # The others list the (pretended) installed release as tested; the process-group
     # backend does not: Ray's TorchConfig, everything else elastic-ddp's.
     monkeypatch.setattr(versions, "OVERRIDES", tuple(
@@ -113,8 +118,8 @@ def test_an_override_tested_on_fewer_releases_is_the_only_one_skipped(digits_dat
 
 
 @pytest.mark.ray
-def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digits_data, tmp_path, capfd,
-                                                               untested_ray):
+def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digits_data, tmp_path,
+                                                               capfd, untested_ray):
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.driver.launcher import train
     from elastic_ddp.ledger import audit, format_audit

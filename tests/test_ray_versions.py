@@ -119,7 +119,8 @@ def test_the_oldest_supported_ray_runs_the_digits_job_and_resumes_a_killed_rank_
     assert _run([str(bin_ / "elastic-ddp"), "prepare", "digits", str(data)], tmp_path).returncode == 0
     preset = str(REPO / "experiments/configs/digits_cnn.yaml")
     sets = [f"data.train_path={data / 'train'}", f"data.val_path={data / 'val'}",
-            f"run.storage_path={tmp_path / 'ray_results'}", f"run.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"run.storage_path={tmp_path / 'ray_results'}",
+            f"run.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
             "train.epochs=2", "train.checkpoint_every_steps=5"]
 
     # The digits job, through the command a user runs: on this Ray's own controller code

@@ -291,7 +291,8 @@ def trainer_class(torch_trainer, plan):
       controller waits for (``ray.get`` of its registration) after the first worker
       group starts. It removes the group's placement group if the controller dies
       without cleaning up while the driver lives on. The driver does that instead
-      (:func:`remove_leftover_placement_groups`, after a ``fit`` that raised)."""
+      (:func:`remove_leftover_placement_groups`, after a ``fit`` that raised), from the
+      groups ``controller_events`` records: kept where that override is skipped."""
     host, trim = plan.applies("controller_host"), plan.applies("default_callbacks")
     if not (host or trim):
         return torch_trainer
@@ -300,8 +301,10 @@ def trainer_class(torch_trainer, plan):
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
+        cleaner = (PlacementGroupCleanerCallback,) if driver_removes_placement_groups(plan) else ()
+
         def _create_default_callbacks(self):
-            drop = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
+            drop = cleaner + (() if self.datasets else (DatasetsCallback,))
             return [c for c in torch_trainer._create_default_callbacks(self) if not isinstance(c, drop)]
 
         body["_create_default_callbacks"] = _create_default_callbacks
@@ -313,9 +316,16 @@ def trainer_class(torch_trainer, plan):
     return type("Trainer", (torch_trainer,), body)
 
 
+def driver_removes_placement_groups(plan) -> bool:
+    """Whether the driver, not Ray Train's ``PlacementGroupCleaner``, removes a dead
+    controller's placement groups under ``plan``: it finds them in the marks of
+    ``controller.events.ControllerEvents``."""
+    return plan.applies("default_callbacks") and plan.applies("controller_events")
+
+
 def remove_leftover_placement_groups(timeline: list) -> list[str]:
     """Remove the placement groups of this job's worker groups (``placement_group`` in the
-    controller's ``worker_group_started`` marks, ``events.ControllerEvents``) that are
+    controller's ``worker_group_started`` marks, ``controller.events.ControllerEvents``) that are
     still reserved. Ray Train's controller removes them itself when it stops; one that
     died (its process killed) leaves its group reserved, and with it the CPUs the next
     job of this driver (a sweep's next trial) needs, until the driver exits.

@@ -346,15 +346,16 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
 
 def _after_failed_fit(tracker) -> None:
     """A controller that died (rather than failed) leaves its placement group reserved
-    (Ray Train's own placement-group cleaner removes it where the default callbacks are
-    kept)."""
+    (where Ray Train's own placement-group cleaner is kept, that removes it)."""
     import ray
 
-    if not ray_plan().applies("default_callbacks"):
+    from elastic_ddp.compat.ray_trainer import (driver_removes_placement_groups,
+                                                remove_leftover_placement_groups)
+
+    if not driver_removes_placement_groups(ray_plan()):
         return
     try:
         timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
-        from elastic_ddp.compat.ray_trainer import remove_leftover_placement_groups
 
         removed = remove_leftover_placement_groups(timeline)
     except Exception:  # noqa: BLE001 - the job's own error is the one to raise
