@@ -51,16 +51,22 @@ def _copy_checkout(dest: Path) -> Path:
     return dest
 
 
+def _requirements() -> str:
+    """pyproject.toml's runtime dependencies and its examples extra, as written there."""
+    text = (REPO / "pyproject.toml").read_text()
+    deps = text[text.index("\ndependencies = ["):]
+    return deps[:deps.index("\n]") + 2] + next(line for line in text.splitlines() if line.startswith("examples ="))
+
+
 def _venv() -> Path:
     """The virtualenv for ``RAY`` with this checkout installed into it afresh; built here
     (this torch first, then this checkout's dependencies with ``RAY`` pinned, and the
     examples extra for ``prepare digits``) unless one from the same recipe (Python, torch,
-    Ray, pyproject.toml) exists."""
+    Ray, :func:`_requirements`) exists."""
     import torch
 
     torch_spec = f"torch=={torch.__version__.split('+')[0]}"
-    key = hashlib.sha256("\n".join([sys.version, torch_spec, RAY]).encode()
-                         + (REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([sys.version, torch_spec, RAY, _requirements()]).encode()).hexdigest()[:16]
     venv = VENVS / f"ray-{RAY}"
     stamp = venv / "elastic-ddp-recipe"
     src = _copy_checkout(VENVS / f"src-ray-{RAY}")
