@@ -71,8 +71,10 @@ def _venv() -> Path:
     stamp = venv / "elastic-ddp-recipe"
     src = _copy_checkout(VENVS / f"src-ray-{RAY}")
     if not (stamp.exists() and stamp.read_text() == key):
+        # The stamp goes first and comes back last: a build or a removal cut short leaves
+        # no virtualenv that looks finished.
+        stamp.unlink(missing_ok=True)
         shutil.rmtree(venv, ignore_errors=True)
-        VENVS.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         _pip(venv, torch_spec)  # alone first, so that pip resolves no other torch build
         _pip(venv, f"{src}[examples]", f"ray[train,data]=={RAY}", "setuptools>=77", "wheel")
