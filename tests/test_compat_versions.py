@@ -136,3 +136,27 @@ def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digi
     assert all(e["lost"] == 0 and e["repeated"] == 0 for e in report["epochs"].values())
     warnings = [line for line in capfd.readouterr().err.splitlines() if "elastic-ddp: warning" in line]
     assert warnings == [ray_plan(untested_ray).warning], warnings
+
+
+def test_the_seam_still_imports_and_runs_where_ray_lacks_the_internals_it_overrides(monkeypatch):
+    # On a release that moved Ray Train's internal callback module or dropped Ray's
+    # multi-node flag, the stock path must still get as far as Ray's own code: the
+    # controller's events module imports (ControllerEvents is left out by the guard) and
+    # the local Ray's flag switch does nothing.
+    import subprocess
+    import sys
+
+    code = ("import sys, ray.train  # Ray's own modules are loaded first: they import it too\n"
+            "sys.modules['ray.train.v2._internal.execution.callback'] = None\n"
+            "from elastic_ddp.controller.events import ElasticEvents, ControllerEvents\n"
+            "print(ControllerEvents.__mro__[1].__module__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "elastic_ddp.compat.ray_train", p.stderr[-2000:]
+
+    from ray._private import ray_constants
+
+    from elastic_ddp.compat.ray_local import cluster_mode
+
+    monkeypatch.delattr(ray_constants, "ENABLE_RAY_CLUSTER")
+    with cluster_mode(True):
+        assert not hasattr(ray_constants, "ENABLE_RAY_CLUSTER")
