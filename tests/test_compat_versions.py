@@ -123,11 +123,12 @@ def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digi
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.driver.launcher import train
     from elastic_ddp.ledger import audit, format_audit
+    from elastic_ddp.run_state import Diagnostics
 
     raw = digits_config(digits_data, tmp_path, {"train": {"epochs": 2, "checkpoint_every_steps": 5}})
     ledger, marker = tmp_path / "ledger", tmp_path / "fired"
-    s = train(Config.from_dict(raw), ledger_dir=str(ledger), progress=False,
-              fault={"rank": 1, "at_step": 12, "where": "step", "marker": str(marker)})
+    s = train(Config.from_dict(raw), progress=False, diagnostics=Diagnostics(
+        ledger_dir=str(ledger), fault={"rank": 1, "at_step": 12, "where": "step", "marker": str(marker)}))
     assert marker.exists() and s.steps == 46, s
     report = audit(ledger, read_sample_ids(digits_data / "train"), 2)
     print(format_audit(report))

@@ -102,9 +102,10 @@ RESUME = """
 import json, sys
 from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import train
+from elastic_ddp.run_state import Diagnostics
 cfg = Config.load(sys.argv[1], overrides=sys.argv[4:])
-s = train(cfg, ledger_dir=sys.argv[2], progress=False,
-          fault={"rank": 1, "at_step": 12, "where": "step", "marker": sys.argv[3]})
+s = train(cfg, progress=False, diagnostics=Diagnostics(
+    ledger_dir=sys.argv[2], fault={"rank": 1, "at_step": 12, "where": "step", "marker": sys.argv[3]}))
 print(json.dumps({"steps": s.steps, "restarts": s.restarts, "run_id": s.run_id}))
 """
 
