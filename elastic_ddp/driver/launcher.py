@@ -356,7 +356,6 @@ def _after_failed_fit(tracker) -> None:
         return
     try:
         timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
-
         removed = remove_leftover_placement_groups(timeline)
     except Exception:  # noqa: BLE001 - the job's own error is the one to raise
         return
