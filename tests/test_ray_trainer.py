@@ -87,11 +87,12 @@ def test_each_worker_groups_barrier_is_served_by_the_controller_across_a_restart
 
     from elastic_ddp.compat.ray_backend import ProcessGroupConfig
     from elastic_ddp.compat.ray_trainer import trainer_class
+    from elastic_ddp.compat.versions import ray_plan
 
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    trainer = trainer_class(TorchTrainer)(
+    trainer = trainer_class(TorchTrainer, ray_plan())(
         _barrier_fn, train_loop_config={"out": str(tmp_path)},
         torch_config=ProcessGroupConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
@@ -139,13 +140,14 @@ def _run(tmp_path, monkeypatch, env: dict) -> tuple[dict, list[dict]]:
 
     from elastic_ddp.compat.ray_backend import ProcessGroupConfig
     from elastic_ddp.compat.ray_trainer import trainer_class
+    from elastic_ddp.compat.versions import ray_plan
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     # This module is not importable in the controller's process: its classes travel by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     probe = type("Probe", (_ControllerProbe, ControllerCallback), {})(str(tmp_path / "controller.json"))
-    trainer = trainer_class(TorchTrainer)(
+    trainer = trainer_class(TorchTrainer, ray_plan())(
         _train_fn, train_loop_config={"out": str(tmp_path)},
         torch_config=ProcessGroupConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),

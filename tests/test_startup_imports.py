@@ -110,30 +110,16 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
     """, tmp_path)
     assert out == {"torch": False, "torch_after_failure": False, "step": 0, "backend": "gloo", "job_bytes": True}
     # No Ray Train datasets callback (its DatasetManager actor is one more process at
-    # every worker-group start), and Ray Train still builds its callbacks where the
-    # override applies.
-    import inspect
-
+    # every worker-group start) and no placement-group cleaner; Ray Train's others stay.
+    # (Whether Ray still calls what compat/ overrides is the version guard's business:
+    # tests/test_compat_versions.py.)
     from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     names = {type(c).__name__ for c in trainer._create_default_callbacks()}
     assert DatasetsCallback.__name__ not in names and BackendSetupCallback.__name__ in names
     assert PlacementGroupCleanerCallback.__name__ not in names
-    assert "self._create_default_callbacks()" in inspect.getsource(DataParallelTrainer.fit)
-    # elastic_ddp.compat.ray_trainer.run_controller mirrors Ray's controller start; the parts it
-    # copies and patches must still be there.
-    src = inspect.getsource(DataParallelTrainer._initialize_and_run_controller)
-    for piece in ("get_env_vars_to_propagate()", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR", "label_selector",
-                  "controller.run.remote()", "controller.get_result.remote()"):
-        assert piece in src, piece
-    assert "self._initialize_and_run_controller(" in inspect.getsource(DataParallelTrainer.fit)
-    from ray.train.v2._internal.execution.worker_group import worker_group
-
-    assert "get_env_vars_to_propagate()" in inspect.getsource(worker_group.WorkerGroup._get_worker_runtime_env)
     # What the workers get back is the whole job.
     back = cloudpickle.loads(trainer.train_run_context.train_loop_config["job"])
     assert back.train.num_rows == train_info.num_rows and type(back.task) is type(task)
@@ -176,8 +162,8 @@ def test_the_controller_host_serves_every_method_ray_calls_on_its_controller_and
 
     in_process_only = {"get_state", "get_worker_group"}  # the controller's own callbacks
     assert public(TrainController) == set(FORWARDED) | in_process_only
-    assert public(SynchronizationActor.__ray_actor_class__) == set(SYNC_METHODS)
+    # SYNC_METHODS: every supported release's methods (2.60 added three).
+    assert public(SynchronizationActor.__ray_actor_class__) <= set(SYNC_METHODS)
     assert set(FORWARDED) | set(SYNC_METHODS) <= set(dir(ControllerHost))
     # The two names the host replaces inside Ray Train's worker group modules.
-    assert "SynchronizationActor.options(" in inspect.getsource(worker_group.WorkerGroup._start_impl)
-    assert "_shutdown_sync_actor(self.sync_actor)" in inspect.getsource(state)
+    assert callable(worker_group.SynchronizationActor.options) and callable(state._shutdown_sync_actor)

@@ -9,10 +9,11 @@ the path from the command to the first step. Here the controller-side orchestrat
 the same as ``ray.train.torch.config._TorchBackend.on_start`` (master address from rank
 0, the ``env://`` variables, one ``init_process_group`` per rank) and every function
 that runs on a worker is Ray's own, imported there, where torch is needed anyway.
-What it costs: this orchestration follows Ray's; a Ray upgrade that changes
-``_TorchBackend`` must be mirrored here (``tests/test_startup_imports.py`` checks that the
-worker-side functions it calls still exist). TPU and HCCL set-up are not covered: the
-config refuses those backends.
+What it costs: this orchestration follows Ray's (2.56 to 2.60: override
+``process_group_backend`` of ``compat.versions``; on another release the launcher uses
+Ray's ``TorchConfig``); a Ray release that changes ``_TorchBackend`` must be mirrored here
+before it is added there. TPU and HCCL set-up are not covered: the config refuses those
+backends.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ def cluster_mode(enabled: bool) -> Iterator[None]:
     """Ray's multi-node flag set to ``enabled`` inside the block (this process only)."""
     from ray._private import ray_constants
 
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # a Ray without the flag: as it ships
+        yield
+        return
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = enabled
     try:

@@ -1,13 +1,13 @@
 """What elastic-ddp changes in Ray Train's ``TorchTrainer``, and why: fewer Python processes
 between the command and the first step, and after every restart.
 
-    trainer = trainer_class(TorchTrainer)(train_func, ...)
+    trainer = trainer_class(TorchTrainer, ray_plan())(train_func, ...)
 
 Every Ray actor is a fresh Python process that imports Ray; on the nodes where the
 workers start, each one takes CPU time from the workers' own start (imports, process
-group, model). Ray Train 2.60 starts, per job, a controller, a placement-group cleaner and
-a preemption watcher, and per worker group, the workers, a synchronization actor and a
-dataset manager. Here:
+group, model). Ray Train starts, per job, a controller, a placement-group cleaner and (from
+2.60) a preemption watcher, and per worker group, the workers, a synchronization actor
+and a dataset manager. Here:
 
 - no synchronization actor: the controller's process (:class:`ControllerHost`) serves
   each worker group's barrier, and on a running cluster it boots before ``fit``;
@@ -19,8 +19,9 @@ dataset manager. Here:
   ``env_vars``, and a process with a runtime environment starts through Ray's
   ``setup_worker.py``, which imports Ray once more before it execs the worker.
 
-What it costs: these override private parts of Ray Train 2.60 (pinned in
-``pyproject.toml``); ``tests/test_startup_imports.py`` fails if they stop applying.
+What it costs: these override private parts of Ray Train. ``compat.versions`` lists the
+Ray releases each was tested on (overrides ``controller_host`` and ``default_callbacks``);
+on any other, :func:`trainer_class` leaves that part as Ray ships it.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ def _controller_class():
 # Ctrl-C) and by the workers (ray.train's checkpoint listing). Any other public
 # method of Ray's TrainController runs only inside its own process.
 FORWARDED = ("run", "abort", "get_result", "get_training_failed_error", "get_all_reported_checkpoints")
-# Ray Train 2.60's SynchronizationActor (the workers' barrier in ray.train.report and
-# ray.train.collective; the controller resets it when it replaces a replica group).
+# Ray Train's SynchronizationActor (the workers' barrier in ray.train.report and
+# ray.train.collective; the controller resets it when it replaces a replica group): its
+# methods in 2.56 to 2.60. set_required_ranks, get_required_ranks and
+# get_last_released_seq are 2.60's (preemption); an older controller never calls them.
 SYNC_METHODS = ("broadcast_from_rank_zero", "reset", "set_required_ranks", "get_counter",
                 "get_world_size", "get_reduced_data", "get_required_ranks", "get_last_released_seq")
 SYNC_GROUP = "sync"
@@ -107,8 +110,8 @@ class ControllerHost:
     What it costs: a job that fails its input checks has started (and then kills) one
     process on a running cluster (a local Ray is not started for it earlier than
     before); the workers' barriers share a process with the controller; and this
-    replaces private parts of Ray Train 2.60, which ``tests/test_ray_trainer.py``
-    checks."""
+    replaces private parts of Ray Train (override ``controller_host`` of
+    ``compat.versions``)."""
 
     def __init__(self, env: dict):
         os.environ.update(env)
@@ -224,7 +227,7 @@ def start_controller_host():
 
 
 def run_controller(controller_init_kwargs: dict, host=None):
-    """Ray Train 2.60's ``DataParallelTrainer._initialize_and_run_controller`` with
+    """Ray Train's ``DataParallelTrainer._initialize_and_run_controller`` (2.56 to 2.60) with
     :class:`EnvController` in a :class:`ControllerHost` (``host``, started earlier by
     :func:`start_controller_host`, or started here): the controller on the driver's
     node, the result returned (or the run's error raised) as Ray Train does; Ctrl-C
@@ -270,9 +273,14 @@ def _abort(controller, timeout_s: float = 30.0) -> None:
         pass  # abort ends with the controller's exit_actor()
 
 
-def trainer_class(torch_trainer):
-    """``TorchTrainer`` run by :func:`run_controller`, without two of Ray Train's default
-    callbacks, each of which starts one more Python process:
+def trainer_class(torch_trainer, plan):
+    """``torch_trainer`` (Ray's ``TorchTrainer``) with the overrides ``plan`` (a
+    ``compat.versions.RayPlan``) applies; with neither, ``torch_trainer`` itself.
+
+    ``controller_host``: run by :func:`run_controller` (its ``controller_host``
+    attribute: a :class:`ControllerHost` started ahead of ``fit``, or None).
+    ``default_callbacks``: without two of Ray Train's default callbacks, each of which
+    starts one more Python process:
 
     - the datasets callback, when no dataset is passed: a ``DatasetManager`` actor (it
       also imports Ray Data) at every worker-group start and restart, managing nothing
@@ -283,26 +291,41 @@ def trainer_class(torch_trainer):
       controller waits for (``ray.get`` of its registration) after the first worker
       group starts. It removes the group's placement group if the controller dies
       without cleaning up while the driver lives on. The driver does that instead
-      (:func:`remove_leftover_placement_groups`, after a ``fit`` that raised)."""
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+      (:func:`remove_leftover_placement_groups`, after a ``fit`` that raised), from the
+      groups ``controller_events`` records: kept where that override is skipped."""
+    host, trim = plan.applies("controller_host"), plan.applies("default_callbacks")
+    if not (host or trim):
+        return torch_trainer
+    body = {}
+    if trim:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    class Trainer(torch_trainer):
+        cleaner = (PlacementGroupCleanerCallback,) if driver_removes_placement_groups(plan) else ()
+
         def _create_default_callbacks(self):
-            drop = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
-            return [c for c in super()._create_default_callbacks() if not isinstance(c, drop)]
+            drop = cleaner + (() if self.datasets else (DatasetsCallback,))
+            return [c for c in torch_trainer._create_default_callbacks(self) if not isinstance(c, drop)]
 
-        controller_host = None  # a ControllerHost started ahead of fit (launcher.train)
-
+        body["_create_default_callbacks"] = _create_default_callbacks
+    if host:
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             return run_controller(controller_init_kwargs, self.controller_host)
 
-    return Trainer
+        body.update(controller_host=None, _initialize_and_run_controller=_initialize_and_run_controller)
+    return type("Trainer", (torch_trainer,), body)
+
+
+def driver_removes_placement_groups(plan) -> bool:
+    """Whether the driver, not Ray Train's ``PlacementGroupCleaner``, removes a dead
+    controller's placement groups under ``plan``: it finds them in the marks of
+    ``controller.events.ControllerEvents``."""
+    return plan.applies("default_callbacks") and plan.applies("controller_events")
 
 
 def remove_leftover_placement_groups(timeline: list) -> list[str]:
     """Remove the placement groups of this job's worker groups (``placement_group`` in the
-    controller's ``worker_group_started`` marks, ``events.ControllerEvents``) that are
+    controller's ``worker_group_started`` marks, ``controller.events.ControllerEvents``) that are
     still reserved. Ray Train's controller removes them itself when it stops; one that
     died (its process killed) leaves its group reserved, and with it the CPUs the next
     job of this driver (a sweep's next trial) needs, until the driver exits.

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.background import Background
+from elastic_ddp.compat.versions import ray_plan, warn_skipped
 from elastic_ddp.config import Config
 from elastic_ddp.driver.finish import finish_job as _finish
 from elastic_ddp.driver.lease import RunLease
@@ -102,11 +103,15 @@ def _answers() -> bool:
 
 def _connect_and_start(cfg: Config, uri: str) -> tuple:
     """Connect to Ray, then start the Ray Train controller's process
-    (``ray_trainer.ControllerHost``) and the tracker actor; both boot from now on."""
-    from elastic_ddp.compat.ray_trainer import start_controller_host
-
+    (``compat.ray_trainer.ControllerHost``, where the installed Ray is one it was tested
+    on; else None: Ray Train starts its own controller in ``fit``) and the tracker actor;
+    both boot from now on."""
     init_ray(cfg)
-    host = start_controller_host()
+    host = None
+    if ray_plan().applies("controller_host"):
+        from elastic_ddp.compat.ray_trainer import start_controller_host
+
+        host = start_controller_host()
     return host, tracking.start_tracker(uri)
 
 
@@ -123,16 +128,19 @@ def _import_ray_train() -> None:
 
 
 def build_trainer(cfg: Config, job, tracker):
-    """The ``TorchTrainer`` for ``cfg`` and a ``trainer.JobSpec`` (not yet fitted)."""
+    """The ``TorchTrainer`` for ``cfg`` and a ``trainer.JobSpec`` (not yet fitted): with
+    the compat overrides on a Ray release they were tested on, else stock Ray Train for
+    each part they skip, after one warning line (``compat.versions``)."""
     import ray
     from ray import cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
-    from elastic_ddp.compat.ray_backend import ProcessGroupConfig
-    from elastic_ddp.compat.ray_trainer import trainer_class
     from elastic_ddp.worker.entry import train_func
+
+    plan = ray_plan()
+    warn_skipped(plan)
 
     s = cfg.scaling
     # Read by the Ray Train controller when it starts (propagated from this process).
@@ -152,9 +160,14 @@ def build_trainer(cfg: Config, job, tracker):
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
     # collective for a dead peer before Ray Train tears the group down.
-    # Ray's TorchConfig would make the controller import torch (elastic_ddp.compat.ray_backend).
-    torch_config = ProcessGroupConfig(backend="nccl" if use_gpu else "gloo", timeout_s=s.collective_timeout_s)
+    # Ray's TorchConfig makes the controller import torch (elastic_ddp.compat.ray_backend).
+    if plan.applies("process_group_backend"):
+        from elastic_ddp.compat.ray_backend import ProcessGroupConfig as torch_config_class
+    else:
+        from ray.train.torch import TorchConfig as torch_config_class
+    torch_config = torch_config_class(backend="nccl" if use_gpu else "gloo", timeout_s=s.collective_timeout_s)
     if s.fault_tolerance == "per_step":
+        # Every supported Ray has it (compat.versions.TORCHFT_RAY).
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
         from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
@@ -166,11 +179,15 @@ def build_trainer(cfg: Config, job, tracker):
                                      timeout_s=s.collective_timeout_s)
     sink = ElasticEvents(tracker, run_name=cfg.run.name, storage=_storage_path(cfg),
                          collective_timeout_s=s.collective_timeout_s)
+    callbacks = [sink]
+    if plan.applies("controller_events"):
+        callbacks.append(ControllerEvents(sink))
+    from elastic_ddp.compat.ray_trainer import trainer_class
     from elastic_ddp.paths import uri_to_filesystem
 
     # Ray Train gets the file system and the path, never a string to parse as a URI.
     storage_fs, storage_fs_path = uri_to_filesystem(_storage_path(cfg))
-    return trainer_class(TorchTrainer)(
+    return trainer_class(TorchTrainer, plan)(
         train_func,
         # Pickled here: the controller unpickles train_loop_config when it starts, and the
         # job's task and data classes would make it import torch and the task's modules.
@@ -192,7 +209,7 @@ def build_trainer(cfg: Config, job, tracker):
                 max_failures=s.max_failures,
                 controller_failure_limit=-1 if s.max_failures == -1 else max(10, 3 * s.max_failures)),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            callbacks=[sink, ControllerEvents(sink)],
+            callbacks=callbacks,
         ),
         # Each rank reads its own rows through its own Ray Data pipeline
         # (elastic_ddp.data.ingest): no dataset is split by Ray Train.
@@ -265,7 +282,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     # Train's import runs beside it.
     side = Background(_import_ray_train, name="import-ray-train")
     try:
-        if host is None:
+        if tracker is None:
             host, tracker = _connect_and_start(cfg, uri)
             marks["ray_ready"] = time.time()
         side.result()
@@ -297,7 +314,8 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
                       val=val_info, tracker=tracker, t0=t0, sample=sample, storage=storage,
                       diagnostics=diagnostics)
         trainer = build_trainer(cfg, job, tracker)
-        trainer.controller_host = host
+        if host is not None:
+            trainer.controller_host = host
         marks["fit_called"] = time.time()
         try:
             # Without progress lines it still prints the tracker's warnings (data wait).
@@ -327,13 +345,17 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
 
 
 def _after_failed_fit(tracker) -> None:
-    """A controller that died (rather than failed) leaves its placement group reserved."""
+    """A controller that died (rather than failed) leaves its placement group reserved
+    (where Ray Train's own placement-group cleaner is kept, that removes it)."""
     import ray
 
+    from elastic_ddp.compat.ray_trainer import (driver_removes_placement_groups,
+                                                remove_leftover_placement_groups)
+
+    if not driver_removes_placement_groups(ray_plan()):
+        return
     try:
         timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
-        from elastic_ddp.compat.ray_trainer import remove_leftover_placement_groups
-
         removed = remove_leftover_placement_groups(timeline)
     except Exception:  # noqa: BLE001 - the job's own error is the one to raise
         return

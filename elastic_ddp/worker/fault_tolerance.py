@@ -1,5 +1,5 @@
 """Per-step fault tolerance (``scaling.fault_tolerance: per_step``): every Ray Train worker is
-its own torchft replica group (Ray 2.60's ``TorchftConfig``); a quorum is decided every
+its own torchft replica group (Ray Train's ``TorchftConfig``); a quorum is decided every
 step, survivors keep committing steps when a replica dies, and Ray replaces only the dead
 replica, which heals the live weights and optimizer state from a peer.
 

@@ -1,0 +1,126 @@
+"""The version guard of the compat seam: the Ray releases each override of Ray Train's
+private parts was tested on, and which of them apply to the Ray installed here.
+
+    from elastic_ddp.compat.versions import ray_plan
+
+    plan = ray_plan()                    # for ray.__version__
+    plan.applies("controller_host")      # True on a tested release
+    plan.warning                         # None, or the one line the launcher prints
+
+Each override replaces or patches a part of Ray Train that Ray may change in any release
+without notice. On a release an override was not tested on, the launcher leaves that
+part as Ray ships it (stock ``TorchTrainer``: Ray's own controller actor, synchronization
+actor, runtime environment, ``TorchConfig`` and default callbacks) and prints one warning
+line naming what is skipped, instead of failing somewhere inside Ray. Checkpoints, the
+data order and the exact resume are the workers' own and hold either way; what a job
+loses without an override is its ``buys``.
+
+To support a new Ray release: run ``tests/test_ray_versions.py`` with
+``ELASTIC_DDP_TEST_RAY=<version>`` (slow tier: a virtualenv with that Ray, the digits
+job and a resume after a SIGKILL) and the Ray tier in an environment that has it, then
+add the version to :data:`TESTED_RAY` (or to the ``tested`` of the overrides it passed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Optional
+
+# Every release of the range pyproject.toml declares. The Ray Train code the overrides
+# replace, patch or call is the same in all of them, except that SynchronizationActor
+# has three more methods from 2.60 on (compat.ray_trainer.SYNC_METHODS serves both sets);
+# the .0 and .1 releases of 2.56, 2.57 and 2.58 ship identical ray/train sources.
+TESTED_RAY = ("2.56.0", "2.56.1", "2.57.0", "2.57.1", "2.58.0", "2.58.1", "2.59.0", "2.60.0")
+# The first Ray release with Ray Train's TorchftConfig, which scaling.fault_tolerance=
+# per_step runs on (a public module; every supported release has it).
+TORCHFT_RAY = "2.55.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """One change elastic-ddp makes to Ray's private parts.
+
+    ``key``: what the code asks :meth:`RayPlan.applies`; ``name``: what the warning says
+    is skipped; ``buys``: what a job has with it and loses without it; ``tested``: the
+    exact Ray versions it ran on."""
+
+    key: str
+    name: str
+    buys: str
+    tested: tuple[str, ...] = TESTED_RAY
+
+
+OVERRIDES: tuple[Override, ...] = (
+    Override("controller_host", "controller host (compat.ray_trainer)",
+             "the controller's process boots before the input checks on a running cluster and "
+             "serves each worker group's barrier (no SynchronizationActor process per start); "
+             "the controller and the workers start without a runtime environment (no second "
+             "import of Ray in setup_worker.py); Ctrl-C aborts the run (KILLED, exit 130)"),
+    Override("default_callbacks", "default-callback trim (compat.ray_trainer)",
+             "no DatasetManager actor per worker-group start and no PlacementGroupCleaner "
+             "actor per job (the driver removes a dead controller's placement group)"),
+    Override("process_group_backend", "torch-free process-group backend (compat.ray_backend)",
+             "the controller never imports torch (about a second of every start and restart)"),
+    Override("controller_events", "controller events (controller.events.ControllerEvents)",
+             "each failure's cause (rank, signal, step) in the run's events, the stop after the "
+             "same failure twice, the controller's start-up marks, and a worker death while "
+             "its group starts retried rather than fatal"),
+)
+
+
+def release_key(version: str) -> tuple:
+    """``"2.56.1"`` -> ``(2, 56, 1)``: for ordering releases (a non-numeric part sorts
+    as -1, so ``2.61.0.dev0`` sorts before ``2.61.0``)."""
+    return tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
+
+
+@dataclasses.dataclass(frozen=True)
+class RayPlan:
+    """Which overrides run on Ray ``version``: ``applied`` and ``skipped`` hold
+    :class:`Override` objects."""
+
+    version: str
+    applied: tuple[Override, ...]
+    skipped: tuple[Override, ...]
+
+    def applies(self, key: str) -> bool:
+        """True when the override ``key`` (an :data:`OVERRIDES` key) runs.
+
+        Raises:
+            KeyError: no override has that key."""
+        if key not in {o.key for o in OVERRIDES}:
+            raise KeyError(f"no compat override {key!r}; known: {', '.join(o.key for o in OVERRIDES)}")
+        return any(o.key == key for o in self.applied)
+
+    @property
+    def warning(self) -> Optional[str]:
+        """One line naming what is skipped, or None when every override runs."""
+        if not self.skipped:
+            return None
+        tested = sorted({v for o in self.skipped for v in o.tested}, key=release_key)
+        stock = "stock Ray Train" if not self.applied else "Ray Train as shipped for these parts"
+        return (f"elastic-ddp: warning: Ray {self.version} is not a release elastic-ddp was tested "
+                f"on ({tested[0]} to {tested[-1]}); running {stock}, without: "
+                + "; ".join(o.name for o in self.skipped))
+
+
+def ray_plan(version: Optional[str] = None) -> RayPlan:
+    """The overrides that apply on Ray ``version`` (default: the installed ``ray.__version__``)."""
+    if version is None:
+        import ray
+
+        version = ray.__version__
+    applied = tuple(o for o in OVERRIDES if version in o.tested)
+    return RayPlan(version, applied, tuple(o for o in OVERRIDES if o not in applied))
+
+
+_warned: set[str] = set()
+
+
+def warn_skipped(plan: RayPlan) -> None:
+    """Print ``plan.warning`` to stderr, once per process and version (a sweep's trials
+    share one line)."""
+    if plan.warning is not None and plan.version not in _warned:
+        _warned.add(plan.version)
+        print(plan.warning, file=sys.stderr, flush=True)
