@@ -349,6 +349,11 @@ class LedgerWriter:
                                       "t": time.time()}) + "\n")
             self._f.flush()
 
+    @property
+    def enabled(self) -> bool:
+        """Whether this job writes a ledger (``Diagnostics.ledger_dir``)."""
+        return self._f is not None
+
     def record(self, epoch: int, step: int, ids: np.ndarray, **extra) -> None:
         """The ids this rank computed for ``step``. With ``extra`` (per-step fault
         tolerance: ``quorum``, ``n``) the line is written at once, before the step's

@@ -76,7 +76,8 @@ class Trainer:
         self.resumed_from: Optional[int] = None
         self.restored_path: Optional[str] = None  # the checkpoint restore() loaded
         self.tracker = TrackerClient(job.tracker, enabled=self.roles.may_log)
-        self.fault = Fault(job.fault, rank)
+        # Fault injection of tests and experiments only (Diagnostics.fault): None in a job.
+        self.fault = Fault(job.fault, rank) if job.fault else None
         # Where this rank is (phase, step), for the controller when the process dies
         # without a Python error (elastic_ddp.controller.failures).
         self.position = Position(rank, cfg.run.name, node=_ray_node_id())
@@ -171,7 +172,7 @@ class Trainer:
         p = self.progress
         self.ckpt.save(p.step, self.strategy, self.run_state(),
                        {"step": p.step, "epoch": p.epoch, **metrics}, writer=self.roles.lead,
-                       fault_hook=self.fault.checkpoint_hook(p.step),
+                       fault_hook=self.fault.checkpoint_hook(p.step) if self.fault else None,
                        asynchronous=self.cfg.train.async_checkpoint and not final)
 
     # -------------------------------------------------------------------------- loop
@@ -260,9 +261,11 @@ class Trainer:
         ids = np.asarray(batch[self.job.train.id_column])
         probe = self.should_log(p.step + 1) and p.step > 0 and self.strategy.can_probe
         try:
-            self.fault.at_step(p.step + 1)
+            if self.fault is not None:
+                self.fault.at_step(p.step + 1)
             sums, bn_saved = forward_backward(self, batch, rows, rank, n, probe)
-            self.ledger.record(p.epoch, p.step + 1, ids, **self.ft.ledger_extra())
+            if self.ledger.enabled:  # Diagnostics.ledger_dir: tests and experiments
+                self.ledger.record(p.epoch, p.step + 1, ids, **self.ft.ledger_extra())
             # Per-step mode: the log step's metric sums ride in the gradient all-reduce.
             mine = (self.window.row_sums(sums) if self.ft.sums_in_step and self.should_log(p.step + 1)
                     else None)
