@@ -51,9 +51,9 @@ def final_checkpoint(path: str | Path) -> Path:
 def checkpoint_weights(ckpt_dir: str | Path) -> dict:
     """The model's state dict (no DDP ``module.`` prefix) from an elastic-ddp checkpoint:
     the one call that knows the checkpoint's layout."""
-    from elastic_ddp.checkpoint import load_state
+    from elastic_ddp.checkpoint.export import model_state
 
-    return load_state(ckpt_dir)["model"]
+    return model_state(ckpt_dir)
 
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
