@@ -53,3 +53,9 @@ def session_logs_dir() -> Optional[Path]:
         return Path(ray._private.worker._global_node.get_logs_dir_path())
     except Exception:  # noqa: BLE001 - client mode, or not connected
         return None
+
+
+#: The logger of what ``ray.init`` itself logs (the token-authentication warning, the
+#: start): a private module's name, which ``RayDriverLog`` routes with the ``ray`` logger's
+#: records. If Ray renames it, those few lines reach the console again; nothing breaks.
+RAY_INIT_LOGGER = "ray._private"

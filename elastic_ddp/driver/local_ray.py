@@ -36,6 +36,8 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from elastic_ddp.compat.ray_local import RAY_INIT_LOGGER
+
 LOOPBACK = "127.0.0.1"
 # Ray's single-machine mode: with it off (the default on Linux) ray.init and `ray start`
 # replace a node IP of 127.0.0.1 by the host's address.
@@ -130,9 +132,9 @@ class RayDriverLog:
         ray_logger.setLevel(logging.INFO)
         # ray.init(configure_logging=False) clears the "ray" logger's handlers (and with
         # none left, Python prints WARNING records on stderr itself): what ray.init
-        # logs (ray._private.*, e.g. the token-authentication warning) stops one level
+        # logs (RAY_INIT_LOGGER, e.g. the token-authentication warning) stops one level
         # below it until attach().
-        inner = logging.getLogger("ray._private")
+        inner = logging.getLogger(RAY_INIT_LOGGER)
         inner.handlers = [self._buffer, self._errors]
         inner.propagate = False
 
@@ -152,7 +154,7 @@ class RayDriverLog:
         self._buffer.setTarget(handler)
         self._buffer.flush()
         logging.getLogger("ray").handlers = [handler, self._errors]
-        inner = logging.getLogger("ray._private")
+        inner = logging.getLogger(RAY_INIT_LOGGER)
         inner.handlers = []
         inner.propagate = True
         return self.path
