@@ -15,6 +15,7 @@ files in a thread while ``torch.distributed.checkpoint`` loads them (``start_ver
 from __future__ import annotations
 
 import re
+import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
@@ -25,6 +26,7 @@ ALGOS = (ALGO, LEGACY_ALGO)
 #: One read's size: large enough that the hash runs without the GIL (xxhash: above
 #: 64 KiB, zlib: above 5 KiB) and syscalls are few; small enough to stay in the CPU's cache.
 _CHUNK = 4 << 20
+_local = threading.local()
 
 
 class _Crc32:
@@ -82,11 +84,12 @@ def digest_bytes(data: bytes, algo: str = ALGO):
 
 def digest_stream(f, algo: str = ALGO) -> tuple[object, int]:
     """(checksum, bytes) of a binary stream read to its end, 4 MiB at a time into one
-    buffer (``readinto`` where the stream has it: no allocation per read)."""
+    buffer of this thread's (``readinto`` where the stream has it: no allocation per read)."""
     h = _hasher(algo)
     n = 0
     if hasattr(f, "readinto"):
-        buf = bytearray(_CHUNK)
+        buf = getattr(_local, "buf", None) or bytearray(_CHUNK)
+        _local.buf = buf  # one per thread, reused file after file
         view = memoryview(buf)
         while k := f.readinto(buf):
             h.update(view[:k])
