@@ -7,6 +7,8 @@ state written here.
 
 Restore, side by side (each the median of ``--repeat`` runs, interleaved):
 
+- ``dcp.load alone``: the manager's state dict (``get_state_dict``), DCP's ``load`` of
+  the files into it and ``set_state_dict``: no listing, no manifest, no check;
 - ``restore, no check``: ``CheckpointManager.restore`` with the size check and the hash
   thread replaced by no-ops: the unverified restore, the reference of every ratio;
 - ``restore, xxh3_64``: the restore as a job runs it (its share of the files hashed in a
@@ -67,6 +69,7 @@ def main() -> None:
 
     import pyarrow.fs as pafs
     import torch
+    import torch.distributed.checkpoint as dcp
 
     from elastic_ddp.checkpoint import manager as mgr_mod
     from elastic_ddp.checkpoint.checksum import bad_files, file_record
@@ -132,7 +135,13 @@ def main() -> None:
             path, m = manifests[algo]
             assert bad_files(fs, str(path), m, names) == []
 
-        rounds = [("restore, no check", lambda: restore("xxh3", False)),
+        def dcp_load() -> None:
+            state = CheckpointManager.model_optimizer_state(strategy)
+            dcp.load(state, checkpoint_id=str(xdir))
+            CheckpointManager._set_model_optimizer_state(strategy, state)
+
+        rounds = [("dcp.load alone", dcp_load),
+                  ("restore, no check", lambda: restore("xxh3", False)),
                   ("restore, xxh3_64", lambda: restore("xxh3", True)),
                   ("restore, crc32 manifest", lambda: restore("crc32", True)),
                   ("check alone, xxh3_64", lambda: check_alone("xxh3_64")),
@@ -153,10 +162,10 @@ def main() -> None:
           f"+ Adam); torch {torch.__version__}, {os.cpu_count()} cores, {torch.get_num_threads()} "
           f"torch threads; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     print(f"restore (median of {args.repeat})     seconds   GiB/s   cost over no check")
-    for name in ("restore, no check", "restore, xxh3_64", "restore, crc32 manifest",
+    for name in ("dcp.load alone", "restore, no check", "restore, xxh3_64", "restore, crc32 manifest",
                  "check alone, xxh3_64", "check alone, crc32",
                  "check, then load, xxh3_64", "check, then load, crc32"):
-        over = "" if name == "restore, no check" else (
+        over = "" if name in ("restore, no check", "dcp.load alone") else (
             f"{med[name] / base:6.1%} of it" if name.startswith("check alone")
             else f"{(med[name] - base) / base:+6.1%}")
         print(f"  {name:28s} {med[name]:7.3f}  {total / 2**30 / med[name]:6.2f}   {over}")

@@ -7,9 +7,10 @@ A manifest names its algorithm in ``"checksum"`` and gives each file a record
     crc32     ``zlib.crc32`` as an int; manifests without a ``"checksum"`` field (checkpoints
               written before XXH3) still verify with it
 
-XXH3 runs at memory speed (several GiB/s on one core where ``zlib.crc32`` gives about
-one), and both release the GIL on large buffers, so a restore hashes its share of the
-files in a thread while ``torch.distributed.checkpoint`` loads them (``start_verify``).
+XXH3 hashes several times faster than ``zlib.crc32`` (figures: docs/benchmarks.md,
+"Checkpoint verification"), and both release the GIL on large buffers (xxhash >= 3.0), so
+a restore hashes its share of the files in a thread while ``torch.distributed.checkpoint``
+loads them (``start_verify``).
 """
 
 from __future__ import annotations
