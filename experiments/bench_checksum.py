@@ -122,9 +122,15 @@ def main() -> None:
 
         real = mgr_mod.start_verify, mgr_mod.size_mismatches
 
-        def restore(run: str, check: bool) -> None:
-            mgr_mod.start_verify, mgr_mod.size_mismatches = real if check else (
-                _no_check, lambda *a, **k: [])
+        def _before(*a):
+            f: Future = Future()
+            f.set_result(bad_files(*a))
+            return f
+
+        def restore(run: str, check) -> None:
+            mgr_mod.start_verify, mgr_mod.size_mismatches = {
+                True: real, False: (_no_check, lambda *a, **k: []),
+                "before": (_before, real[1])}[check]
             try:
                 found = mgr(run).restore(strategy)
             finally:
@@ -144,6 +150,7 @@ def main() -> None:
                   ("restore, no check", lambda: restore("xxh3", False)),
                   ("restore, xxh3_64", lambda: restore("xxh3", True)),
                   ("restore, crc32 manifest", lambda: restore("crc32", True)),
+                  ("restore, check before load", lambda: restore("xxh3", "before")),
                   ("check alone, xxh3_64", lambda: check_alone("xxh3_64")),
                   ("check alone, crc32", lambda: check_alone("crc32"))]
         for _, fn in rounds:
@@ -163,6 +170,7 @@ def main() -> None:
           f"torch threads; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     print(f"restore (median of {args.repeat})     seconds   GiB/s   cost over no check")
     for name in ("dcp.load alone", "restore, no check", "restore, xxh3_64", "restore, crc32 manifest",
+                 "restore, check before load",
                  "check alone, xxh3_64", "check alone, crc32",
                  "check, then load, xxh3_64", "check, then load, crc32"):
         over = "" if name in ("restore, no check", "dcp.load alone") else (
