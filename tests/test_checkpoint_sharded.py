@@ -232,20 +232,46 @@ def _single(tmp_path: Path, steps: list[int]):
     return mgr, build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
 
 
-@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def _flip_a_weight(shard: Path, step: int) -> str:
+    """Negate one of step ``step``'s model tensors where it lies in ``shard``: the file
+    keeps its size and still loads (only the checksum can tell); returns the key."""
+    torch.manual_seed(step)
+    cfg = _cfg("ddp")
+    sd = build_model(cfg, load_task(cfg)).state_dict()
+    key = max(sd, key=lambda k: sd[k].numel())
+    data = shard.read_bytes()
+    raw = sd[key].numpy().tobytes()
+    assert raw in data, "the tensor's bytes should be in the shard"
+    # Every copy: a weight tied to another (the GPT's embedding and head) is stored twice.
+    shard.write_bytes(data.replace(raw, (-sd[key]).numpy().tobytes()))
+    return key
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated", "flipped"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capfd, damage):
+    from elastic_ddp.checkpoint.dcp_io import load_prefix
+
     mgr, fresh = _single(tmp_path, [2, 4])
     shard = tmp_path / RUN / checkpoint_name(4) / "__0_0.distcp"
     size = shard.stat().st_size
     if damage == "zeroed":
         shard.write_bytes(b"\0" * size)  # the same size: only the checksum can tell
-    else:
+    elif damage == "truncated":
         with open(shard, "r+b") as f:
             f.truncate(size // 2)
+    else:
+        # The damaged checkpoint loads without an error (the restore reads it while
+        # hashing it): the check must still come before the state is used.
+        key = _flip_a_weight(shard, 4)
+        loaded = load_prefix(str(shard.parent), "model.")
+        torch.manual_seed(4)
+        cfg = _cfg("ddp")
+        assert torch.equal(loaded[key], -build_model(cfg, load_task(cfg)).state_dict()[key])
     run_state, path = mgr.restore(fresh)
     assert run_state["progress"]["step"] == 2 and path.endswith(checkpoint_name(2))
     err = capfd.readouterr().err
-    assert f"checkpoint {tmp_path / RUN / checkpoint_name(4)} fails its checksums: __0_0.distcp" in err
+    want_err = f"checkpoint {tmp_path / RUN / checkpoint_name(4)} fails its checksums: __0_0.distcp ("
+    assert want_err + ("xxh3_64 " if damage != "truncated" else f"{size // 2} bytes") in err, err
     # The restored weights are step 2's, exactly.
     torch.manual_seed(2)
     cfg = _cfg("ddp")
@@ -253,9 +279,57 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert all(torch.equal(want[k], v) for k, v in fresh.module.state_dict().items())
 
 
+def test_the_manifest_names_its_algorithm_and_each_files_xxh3(tmp_path):
+    import xxhash
+
+    _single(tmp_path, [2])
+    d = tmp_path / RUN / checkpoint_name(2)
+    manifest = json.loads((d / MANIFEST).read_text())
+    assert manifest["checksum"] == "xxh3_64"
+    on_disk = sorted(p.name for p in d.iterdir() if p.name != MANIFEST)
+    assert sorted(manifest["files"]) == on_disk, (manifest["files"], on_disk)
+    for name, rec in manifest["files"].items():
+        data = (d / name).read_bytes()
+        assert rec == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}, name
+
+
+def _as_crc32_manifest(d: Path) -> None:
+    """Rewrite the manifest of checkpoint ``d`` as elastic-ddp wrote them before XXH3: no
+    ``checksum`` field, each file's ``zlib.crc32``."""
+    import zlib
+
+    manifest = json.loads((d / MANIFEST).read_text())
+    del manifest["checksum"]
+    manifest["files"] = {n: {"bytes": (d / n).stat().st_size, "crc32": zlib.crc32((d / n).read_bytes())}
+                         for n in manifest["files"]}
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def test_a_crc32_manifest_still_verifies_and_loads(tmp_path, capfd):
+    mgr, fresh = _single(tmp_path, [2, 4])
+    for k in (2, 4):
+        _as_crc32_manifest(tmp_path / RUN / checkpoint_name(k))
+    _flip_a_weight(tmp_path / RUN / checkpoint_name(4) / "__0_0.distcp", 4)
+    run_state, path = mgr.restore(fresh)
+    assert run_state["progress"]["step"] == 2 and path.endswith(checkpoint_name(2))
+    assert f"{checkpoint_name(4)} fails its checksums: __0_0.distcp (crc32 " in capfd.readouterr().err
+    torch.manual_seed(2)
+    cfg = _cfg("ddp")
+    want = build_model(cfg, load_task(cfg)).state_dict()
+    assert all(torch.equal(want[k], v) for k, v in fresh.module.state_dict().items())
+
+
+def test_a_checksum_algorithm_unknown_to_this_version_is_not_trusted(tmp_path):
+    mgr, fresh = _single(tmp_path, [2])
+    m = tmp_path / RUN / checkpoint_name(2) / MANIFEST
+    m.write_text(m.read_text().replace('"checksum": "xxh3_64"', '"checksum": "blake9"'))
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0.distcp \(checksum algorithm 'blake9' unknown"):
+        mgr.restore(fresh)
+
+
 def test_no_checkpoint_that_verifies_is_refused_naming_each_bad_file(tmp_path):
     mgr, fresh = _single(tmp_path, [2])
     bad = tmp_path / RUN / checkpoint_name(2) / "run_state.json"
     bad.write_text(bad.read_text().replace('"step": 2', '"step": 7'))  # same length
-    with pytest.raises(CheckpointCorruptError, match=r"checkpoint_step00000002: run_state.json \(crc32"):
+    with pytest.raises(CheckpointCorruptError, match=r"checkpoint_step00000002: run_state.json \(xxh3_64"):
         mgr.restore(fresh)

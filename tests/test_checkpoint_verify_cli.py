@@ -62,7 +62,7 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data,
     second = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout
-    assert f"checkpoint rejected: {ckpts[-1]}: __1_0.distcp (crc32" in out, out[-3000:]
+    assert f"checkpoint rejected: {ckpts[-1]}: __1_0.distcp (xxh3_64" in out, out[-3000:]
     assert f"checkpoint rejected: {ckpts[-2]}: __0_0.distcp (" in out, out[-3000:]
     # Resumed from step 15: steps 16..23 were trained (and logged) twice, 1..15 once.
     (run,) = mlflow_runs(tmp_path)
@@ -79,5 +79,5 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data,
     extra["train"]["epochs"] = 3
     third = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
     assert third.returncode == 2, (third.returncode, third.stderr[-3000:])
-    assert "CheckpointCorruptError" in third.stderr and "__0_0.distcp (crc32" in third.stderr, \
+    assert "CheckpointCorruptError" in third.stderr and "__0_0.distcp (xxh3_64" in third.stderr, \
         third.stderr[-3000:]

@@ -9,8 +9,9 @@ A checkpoint of step k is the directory ``storage_path/run.name/checkpoint_step<
     __<rank>_<i>.distcp   each writing rank's part of the model and optimizer state
     run_state.json        progress, counters, the data fingerprint: small and exact
     config.json           the job's config, so the checkpoint is self-describing
-    manifest.json         written last: format, step, world size, strategy, and every
-                          file's size and crc32 (``zlib.crc32`` of the bytes as written)
+    manifest.json         written last: format, step, world size, strategy, the checksum
+                          algorithm, and every file's size and checksum of the bytes as
+                          written (``checkpoint.checksum``: XXH3-64; crc32 in older ones)
 
 A directory without a manifest, or whose files do not have the sizes the manifest names,
 is not complete (a write or a copy cut short) and is never restored from.
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 FORMAT = "elastic-ddp/3"
 LEGACY_FORMAT = "elastic-ddp/2"
@@ -29,7 +29,6 @@ MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 CONFIG = "config.json"
 LEGACY_STATE_FILE = "state.pt"
-_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -69,21 +68,24 @@ def run_dir(storage_path: str, run_name: str):
     return fs, f"{base.rstrip('/')}/{run_name}"
 
 
-def crc32_stream(f) -> tuple[int, int]:
-    """(crc32, bytes) of a binary stream read to its end in 8 MiB chunks."""
-    crc, n = 0, 0
+def free_name(fs, base: str, step: int) -> str:
+    """The directory name for step ``step`` under the run's directory ``base``:
+    ``checkpoint_step<k>``, or the next ``_r<n>`` when a checkpoint of that step with a
+    manifest is there (one a restore rejected or passed over: Ray Train may have registered
+    it, so it is left alone). A directory without a manifest is a write cut short: removed
+    and reused."""
+    import pyarrow.fs as pafs
+
+    n = 0
     while True:
-        b = f.read(_CHUNK)
-        if not b:
-            return crc, n
-        crc, n = zlib.crc32(b, crc), n + len(b)
-
-
-def file_record(fs, path: str) -> dict[str, int]:
-    """``{"bytes", "crc32"}`` of one file (read once)."""
-    with fs.open_input_stream(path) as f:
-        crc, n = crc32_stream(f)
-    return {"bytes": n, "crc32": crc}
+        name = checkpoint_name(step, n)
+        info = fs.get_file_info(f"{base}/{name}")
+        if info.type == pafs.FileType.NotFound:
+            return name
+        if fs.get_file_info(f"{base}/{name}/{MANIFEST}").type == pafs.FileType.NotFound:
+            fs.delete_dir(f"{base}/{name}")
+            return name
+        n += 1
 
 
 def read_manifest(fs, path: str) -> dict[str, Any]:
@@ -108,25 +110,6 @@ def is_complete(fs, path: str, manifest: dict) -> bool:
     infos = fs.get_file_info([f"{path}/{n}" for n in sizes])
     return all(i.type == pafs.FileType.File and i.size == want
                for i, want in zip(infos, sizes.values()))
-
-
-def bad_files(fs, path: str, manifest: dict, names: Iterable[str]) -> list[str]:
-    """The files among ``names`` whose size or crc32 differs from the manifest's (each
-    read once in full: the cost of verifying is one read of those bytes), as
-    ``"name (why)"`` lines."""
-    out = []
-    for name in names:
-        want = manifest["files"][name]
-        try:
-            got = file_record(fs, f"{path}/{name}")
-        except OSError as e:
-            out.append(f"{name} (unreadable: {e})")
-            continue
-        if got["bytes"] != want["bytes"]:
-            out.append(f"{name} ({got['bytes']} bytes, the manifest says {want['bytes']})")
-        elif got["crc32"] != want["crc32"]:
-            out.append(f"{name} (crc32 {got['crc32']:08x}, the manifest says {want['crc32']:08x})")
-    return out
 
 
 def complete_checkpoints(storage_path: str, run_name: str, newer_than: int = -1,

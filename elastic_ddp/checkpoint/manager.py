@@ -28,12 +28,13 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from elastic_ddp.checkpoint.checksum import (
+    ALGO, digest_bytes, file_record, share_of, size_mismatches, start_verify)
 from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powersgd_keys
 from elastic_ddp.checkpoint.layout import (
     CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
-    bad_files, checkpoint_name, complete_checkpoints, describe, file_record, incomplete_checkpoints,
-    is_complete,
-    read_manifest, run_dir)
+    checkpoint_name, complete_checkpoints, describe, free_name, incomplete_checkpoints,
+    is_complete, read_manifest, run_dir)
 
 #: What a run state holds (JSON): the trainer's progress and counters, the data it was
 #: written on, and per-step fault tolerance's torchft step counters.
@@ -108,8 +109,9 @@ class CheckpointManager:
         ``poll()`` that finds every rank's write done (``checkpoint.inflight``). At most
         one is in flight: a save waits for the previous one first.
 
-        Costs: each rank's share of the state serialised once and read once more for its
-        crc32; one ``all_gather_object`` of the file records; rank 0 writes the small files.
+        Costs: each rank's share of the state serialised once and read once more (from
+        the page cache) for its XXH3 checksum; one ``all_gather_object`` of the file
+        records; rank 0 writes the small files.
         ``fault_hook(shard_path)``: a test hook run after the shards are written and before
         the manifest (the window a crash must not turn into a checkpoint)."""
         import pyarrow.fs as pafs
@@ -123,7 +125,7 @@ class CheckpointManager:
         local = isinstance(fs, pafs.LocalFileSystem)
         name = checkpoint_name(step)
         if lead:
-            name = self._free_name(fs, base, step)
+            name = free_name(fs, base, step)
             fs.create_dir(f"{base}/{name}", recursive=True)
         name = self._broadcast(name)
         dest = f"{base}/{name}"
@@ -156,7 +158,7 @@ class CheckpointManager:
     def records(self, fs, target: str, dest: str, lead: bool, local: bool,
                  fault_hook=None) -> dict:
         """This rank's files of the checkpoint written in local directory ``target``
-        (copied to ``dest`` on a remote file system), with their sizes and crc32s."""
+        (copied to ``dest`` on a remote file system), with their sizes and checksums."""
         import pyarrow.fs as pafs
 
         me = self.rank if self.collective else 0
@@ -207,25 +209,6 @@ class CheckpointManager:
         if p.report:
             self._report(p.metrics, p.fs, p.dest, p.name, self.rank == 0)
 
-    @staticmethod
-    def _free_name(fs, base: str, step: int) -> str:
-        """The directory name for step ``step``: ``checkpoint_step<k>``, or the next
-        ``_r<n>`` when a checkpoint of that step with a manifest is there (one a restore
-        rejected or passed over: Ray Train may have registered it, so it is left alone).
-        A directory without a manifest is a write cut short: removed and reused."""
-        import pyarrow.fs as pafs
-
-        n = 0
-        while True:
-            name = checkpoint_name(step, n)
-            info = fs.get_file_info(f"{base}/{name}")
-            if info.type == pafs.FileType.NotFound:
-                return name
-            if fs.get_file_info(f"{base}/{name}/{MANIFEST}").type == pafs.FileType.NotFound:
-                fs.delete_dir(f"{base}/{name}")
-                return name
-            n += 1
-
     def _write_small(self, fs, dest: str, step: int, run_state: dict, files: dict) -> None:
         """run_state.json, config.json, then the manifest (to a temporary name, moved)."""
         small = {RUN_STATE: json.dumps({"format": FORMAT, **run_state}, indent=1).encode()}
@@ -234,9 +217,10 @@ class CheckpointManager:
         for n, data in small.items():
             with fs.open_output_stream(f"{dest}/{n}") as out:
                 out.write(data)
-            files[n] = {"bytes": len(data), "crc32": __import__("zlib").crc32(data)}
+            files[n] = {"bytes": len(data), ALGO: digest_bytes(data)}
         manifest = {"format": FORMAT, "step": step, "world_size": self.world_size,
-                    "strategy": self.strategy_name, "files": dict(sorted(files.items()))}
+                    "strategy": self.strategy_name, "checksum": ALGO,
+                    "files": dict(sorted(files.items()))}
         with fs.open_output_stream(f"{dest}/{MANIFEST}.tmp") as out:
             out.write(json.dumps(manifest, indent=1).encode())
         fs.move(f"{dest}/{MANIFEST}.tmp", f"{dest}/{MANIFEST}")
@@ -246,8 +230,9 @@ class CheckpointManager:
         """Load the newest checkpoint that verifies into ``strategy``; every rank calls it.
         Candidates: the run's complete checkpoints in storage, newest first (a report the
         controller had not registered yet included), else Ray Train's. Each rank checks
-        the crc32 of its share of the files; a checkpoint with a bad file is named in a
-        warning and a ``checkpoint_rejected`` event, and the next older one is tried.
+        the size and checksum of its share of the files (``_load_verified``); a checkpoint
+        with a bad file is named in a warning and a ``checkpoint_rejected`` event, and the
+        next older one is tried (its load overwrites all of the rejected one's state).
 
         Returns:
             (the run state, the checkpoint's path), or None: no checkpoint (a fresh start).
@@ -273,13 +258,14 @@ class CheckpointManager:
                     continue
                 return self._load_legacy(strategy, fs, path), path
             names = sorted(manifest["files"])
-            share = _share(names, self.rank, self.world_size) if self.collective else names
-            bad = [b for part in self._gather_list(bad_files(fs, path, manifest, share)) for b in part]
+            share = share_of(names, self.rank, self.world_size) if self.collective else names
+            bad = self._all(size_mismatches(fs, path, manifest, share))
+            if not bad:
+                bad, run_state = self._load_verified(strategy, fs, path, manifest, share)
             if bad:
                 rejected.append((path, bad))
                 self._reject(path, bad)
                 continue
-            run_state = self._load(strategy, fs, path, manifest)
             # Restart mode only: every rank is restoring, so no write is under way (in
             # per-step mode a replacement restores while the quorum may be writing).
             if self.rank == 0 and self.storage and (self.collective or self.world_size == 1):
@@ -306,26 +292,42 @@ class CheckpointManager:
                 self.tracker.event({"type": "checkpoint_rejected", "t": time.time(),
                                     "checkpoint": path, "bad_files": bad, "cause": msg})
 
-    def _load(self, strategy, fs, path: str, manifest: dict) -> dict:
-        from torch.distributed.checkpoint import FileSystemReader
+    def _load_verified(self, strategy, fs, path: str, manifest: dict,
+                       share: list[str]) -> tuple[list[str], Optional[dict]]:
+        """Load the checkpoint at ``path`` while a thread hashes this rank's ``share`` of its
+        files (the bytes the load reads, from the page cache: the check costs its hashing,
+        on a core of its own where one is free). Only DCP's read touches unverified bytes:
+        the state reaches the optimizer, the hook and the run state once every rank's files
+        verify, and no step runs before. Returns (every rank's bad files, the run state:
+        None when a file is bad). Raises CheckpointError: the files verify and do not fit
+        this config's model."""
+        import pyarrow.fs as pafs
+        from torch.distributed.checkpoint import CheckpointException, FileSystemReader
         from torch.distributed.checkpoint import load as dcp_load
 
         with local_copy(fs, path) as d:
-            state = self.model_optimizer_state(strategy)
+            check = start_verify(pafs.LocalFileSystem(), d, manifest, share)
+            state, error = self.model_optimizer_state(strategy), None
             try:
                 dcp_load(state, storage_reader=FileSystemReader(d), no_dist=not self.collective)
-                self._set_model_optimizer_state(strategy, state)
-            except Exception as e:  # noqa: BLE001 - DCP wraps every rank's error
-                raise CheckpointError(
-                    f"checkpoint {path} ({describe(manifest)}) does not fit this config's "
-                    f"model/optimizer ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
-                    "resume it with its own config (config.json beside it) or set a new "
-                    "run.name") from e
+            # DCP wraps every rank's error in a CheckpointException (a BaseException).
+            except (Exception, CheckpointException) as e:  # noqa: BLE001
+                error = e
+            bad = self._all(check.result())
+            if bad:
+                return bad, None
+            try:
+                if error is None:
+                    self._set_model_optimizer_state(strategy, state)
+            except Exception as e:  # noqa: BLE001 - as DCP's: the state does not fit
+                error = e
+            if error is not None:
+                raise _misfit(path, describe(manifest), error) from error
             if strategy.hook_state is not None:
                 load_powersgd_keys(strategy, d, self.rank, self.world_size)
             with open(os.path.join(d, RUN_STATE)) as f:
                 run_state = json.load(f)
-        return {k: run_state[k] for k in RUN_KEYS if k in run_state}
+        return [], {k: run_state[k] for k in RUN_KEYS if k in run_state}
 
     def _load_legacy(self, strategy, fs, path: str) -> dict:
         from elastic_ddp.checkpoint.legacy import load_state
@@ -335,10 +337,7 @@ class CheckpointManager:
         try:
             strategy.load_full_state(state)
         except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"checkpoint {path} (format {LEGACY_FORMAT}) does not fit this config's "
-                f"model/optimizer ({type(e).__name__}: {str(e).splitlines()[0][:300]}); resume "
-                "it with its own config (config.json beside it) or set a new run.name") from e
+            raise _misfit(path, f"format {LEGACY_FORMAT}", e) from e
         self.log(f"restored {path} (format {LEGACY_FORMAT}: one state.pt); the next checkpoint "
                  f"is written in format {FORMAT}")
         return {k: state[k] for k in RUN_KEYS if k in state}
@@ -367,12 +366,13 @@ class CheckpointManager:
         dist.all_gather_object(parts, records, group=group)
         return {k: v for p in parts for k, v in p.items()}
 
-    def _gather_list(self, items: list) -> list[list]:
+    def _all(self, items: list) -> list:
+        """Every rank's ``items``, concatenated in rank order."""
         if not self.collective:
-            return [items]
+            return list(items)
         parts: list = [None] * self.world_size
         dist.all_gather_object(parts, items)
-        return parts
+        return [x for p in parts for x in p]
 
     def _broadcast(self, obj):
         if not self.collective:
@@ -382,15 +382,8 @@ class CheckpointManager:
         return box[0]
 
 
-def _share(names: list[str], rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` verifies at a restore: the shards rank r wrote (``__r_*``) go
-    to rank r mod world_size, so at the world size they were written at each rank checks
-    the file it loads anyway (read once more, from the page cache); the others round-robin."""
-    import re
-
-    out = []
-    for i, n in enumerate(names):
-        m = re.match(r"__(\d+)_", n)
-        if (int(m.group(1)) if m else i) % world_size == rank:
-            out.append(n)
-    return out
+def _misfit(path: str, what: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} ({what}) does not fit this config's model/optimizer "
+        f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}); resume it "
+        "with its own config (config.json beside it) or set a new run.name")
