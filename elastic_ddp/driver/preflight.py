@@ -8,9 +8,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from elastic_ddp.config import Config
+
+if TYPE_CHECKING:
+    from elastic_ddp.tasks.loading import DryRun
 
 
 def check_ray_address() -> None:
@@ -102,7 +105,7 @@ class Prepared:
     task: Any
     train_info: Any
     val_info: Any
-    dry_run: Any
+    dry_run: DryRun
 
     @property
     def sample(self) -> dict:
