@@ -5,9 +5,12 @@ errors a rank raises. The checkpoint schema itself is ``Trainer.state_dict``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from elastic_ddp.checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from elastic_ddp.config import Config
 
 
 class StepError(RuntimeError):
@@ -68,13 +71,15 @@ class Diagnostics:
 class JobSpec:
     """What the driver hands every worker (``train_loop_config``): small and picklable.
 
+    ``config``: the job's :class:`~elastic_ddp.config.Config` as the driver validated it
+    (pydantic models pickle; the workers use it as it is, without validating it again).
     ``sample``: ``{"train": row, "val": row}``, one transformed row of each split from
     the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
     rank whose share is empty. ``diagnostics``: what a test or an experiment adds
     (:class:`Diagnostics`).
     """
 
-    config: dict
+    config: Config
     task: Any
     train: Any
     val: Any

@@ -104,7 +104,7 @@ def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     hist = {k: metric_history(uri, rid, metric_key(k))
             for k in ("peak_mem_mib_max", "samples_per_s", "data_wait_frac")}
     steady = lambda k: [v for st, v in hist[k] if kill_at // 2 < st < kill_at]  # noqa: E731
-    _, info, _, _ = prepare(cfg)
+    info = prepare(cfg).train_info
     order = epoch_order(info, cfg, 0)
     from elastic_ddp.data.ingest import window_bytes
 
@@ -256,7 +256,8 @@ def resume_open_times(data: Path, tmp: Path) -> dict:
     from elastic_ddp.driver.launcher import prepare
 
     cfg = _config(data, tmp, "open", 10)
-    task, info, _, sample = prepare(cfg)
+    prep = prepare(cfg)
+    task, info, sample = prep.task, prep.train_info, prep.sample
     out = {}
     for frac in (0.0, 0.5, 0.9):
         cursor = int(info.num_rows * frac) // 32 * 32

@@ -199,10 +199,10 @@ def open_request(cfg, uri: str, storage: str) -> dict:
     training data scanned, one skipped entry), MLflow at ``uri``, Ray storage ``storage``."""
     from elastic_ddp import tracking
     from elastic_ddp.data.scan import scan_parquet
-    from elastic_ddp.tasks.loading import load_task
+    from elastic_ddp.tasks.loading import count_params, load_task
 
     task = load_task(cfg)
     info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
     return dict(cfg=cfg, storage=storage, uri=uri, parent_run_id=None,
-                task_params=tracking.task_params(cfg, task), train_info=info, val_info=None,
+                task_params=tracking.task_params(task, count_params(cfg, task)), train_info=info, val_info=None,
                 skipped={"train": ["_staging"]})

@@ -21,15 +21,12 @@ UNTESTED = "2.61.0"
 
 
 def _build(digits_data, tmp_path, extra=None):
-    from elastic_ddp.driver.launcher import build_trainer
+    from elastic_ddp.driver.launcher import build_trainer, job_spec
     from elastic_ddp.driver.preflight import prepare
-    from elastic_ddp.run_state import JobSpec
 
     raw = digits_config(digits_data, tmp_path, {"scaling": {"use_gpu": False}, **(extra or {})})
     cfg = Config.from_dict(raw)
-    task, train_info, val_info, sample = prepare(cfg, None)
-    job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info, val=val_info,
-                  tracker=None, t0=0.0, sample=sample, storage=str(tmp_path / "ray_results"))
+    job = job_spec(cfg, prepare(cfg, None), None, 0.0, str(tmp_path / "ray_results"))
     return build_trainer(cfg, job, None)
 
 

@@ -397,3 +397,17 @@ def test_a_missing_column_is_not_told_the_hint_about_its_values(tmp_path):
     with pytest.raises(DataError, match="missing column 'nolabel'") as e:
         scan_parquet(tmp_path / "train", task.input_columns(), "sample_id")
     assert "labels must be" not in str(e.value) and "'y'" in str(e.value), str(e.value)
+
+
+def test_with_run_name_validates_the_new_name_and_leaves_the_config_as_it_was(tmp_path):
+    from pydantic import ValidationError
+
+    cfg = Config.from_dict({"data": {"train_path": str(tmp_path)}, "model": {"name": "mlp"},
+                            "run": {"name": "job"}})
+    assert cfg.with_run_name("job") is cfg
+    renamed = cfg.with_run_name("job-0123abcd")
+    assert renamed.run.name == "job-0123abcd" and cfg.run.name == "job"
+    assert renamed.model_dump() == {**cfg.model_dump(), "run": {**cfg.model_dump()["run"], "name": "job-0123abcd"}}
+    with pytest.raises(ValidationError, match="run name"):
+        cfg.with_run_name("a/b")
+    assert cfg.run.name == "job"

@@ -64,7 +64,7 @@ def test_prepare_tokenizer_and_preflight(hf_data, tmp_path):
     train_info = scan_parquet(hf_data / "train", task.input_columns(), "sample_id")
     val_info = scan_parquet(hf_data / "val", task.input_columns(), "sample_id")
     assert train_info.num_rows > 300 and val_info.num_rows > 10
-    rows = preflight(cfg, task, train_info, val_info)
+    rows = preflight(cfg, task, train_info, val_info).sample
     ids = rows["train"]["ids"][0]
     assert ids.dtype == np.int32 and ids[0] == 0 and ids[-1] == 1 and 2 not in ids
 

@@ -83,7 +83,7 @@ def test_png_prepare_scan_and_preflight(png_data, tmp_path):
     perm = np.random.default_rng(0).permutation(1797)
     from elastic_ddp.data.scan import read_sample_ids
     assert np.array_equal(read_sample_ids(png_data / "val"), np.sort(perm[:359]))
-    rows = preflight(cfg, task, train_info, val_info)
+    rows = preflight(cfg, task, train_info, val_info).sample
     assert rows["train"]["image"].shape == (1, 1, 16, 16) and rows["train"]["image"].dtype == np.float32
     assert rows["train"]["label"].dtype == np.int64
 
@@ -129,7 +129,7 @@ def test_lm_prepare_scan_and_preflight(lm_data, tmp_path):
     train_info = scan_parquet(lm_data / "train", task.input_columns(), "sample_id")
     val_info = scan_parquet(lm_data / "val", task.input_columns(), "sample_id")
     assert train_info.num_rows > 300 and val_info.num_rows > 10
-    rows = preflight(cfg, task, train_info, val_info)
+    rows = preflight(cfg, task, train_info, val_info).sample
     tok = rows["train"]["tokens"][0]
     assert tok.dtype == np.int16 and tok[0] == 256 and tok[-1] == 257
 

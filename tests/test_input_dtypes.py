@@ -80,7 +80,7 @@ def test_float64_features_and_labels_of_any_integer_width_pass_the_dry_run(tmp_p
 
     data = _data(tmp_path / "data", label_type)
     cfg = Config.load(str(_job(tmp_path, data, "x.astype(np.float64)", 'batch["y"]')))
-    task, train_info, _, sample = prepare(cfg)
+    sample = prepare(cfg).sample
     assert sample["train"]["features"].dtype == np.float64
     assert sample["train"]["label"].dtype == label_type.to_pandas_dtype()
 

@@ -27,7 +27,7 @@ def test_the_helper_opens_the_run_and_monitors_the_system_until_finish(digits_da
     opener = RunOpener(uri)
     opener.open(**open_request(cfg, uri, str(tmp_path / "ray")))
     out = opener.result()
-    assert out["resumed"] is False and out["attempts"] == {} and out["cfg"].run.name == cfg.run.name
+    assert out["resumed"] is False and out["attempts"] == {} and out["ray_run_name"] == cfg.run.name
     assert opener.result() == out  # the same answer again (the driver's error path asks twice)
     run = tracking.run_info(uri, out["run_id"])
     assert run.info.status == "RUNNING"

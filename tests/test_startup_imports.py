@@ -42,10 +42,9 @@ def test_the_dry_run_of_a_small_model_does_not_import_torch_dynamo(digits_data, 
         from elastic_ddp.config import Config
         from elastic_ddp.driver.preflight import prepare
         cfg = Config.load({str(cfg_file)!r})
-        task, train_info, val_info, sample = prepare(cfg, None)
-        from elastic_ddp.tasks.loading import count_params
-        n = count_params(cfg, task)
-        print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules, "n": n, "keys": sorted(sample["train"])}}))
+        p = prepare(cfg, None)
+        print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules, "n": p.dry_run.n_params,
+                           "keys": sorted(p.sample["train"])}}))
     """, tmp_path)
     assert out["dynamo"] is False
     cfg = Config.load(cfg_file)
@@ -70,12 +69,17 @@ def test_a_model_over_the_cpu_limit_is_still_dry_run_on_the_meta_device(digits_d
         return real(c, t)
 
     monkeypatch.setattr(loading, "build_model", spy)
-    loading.preflight(cfg, task, info, None)
-    assert devices[-1] == "cpu"
+    # Two builds: the count on the meta device, the dry run on the CPU (its module kept,
+    # for the final MLflow model).
+    small = loading.preflight(cfg, task, info, None)
+    assert devices == ["meta", "cpu"]
+    n = sum(p.numel() for p in small.model.parameters())
+    assert small.n_params == n and {p.device.type for p in small.model.parameters()} == {"cpu"}
     devices.clear()
+    # One build: the dry run runs on the count's meta-device model; nothing is kept.
     monkeypatch.setattr(loading, "CPU_DRY_RUN_PARAMS", 10)
-    loading.preflight(cfg, task, info, None)
-    assert devices and set(devices) == {"meta"}
+    large = loading.preflight(cfg, task, info, None)
+    assert devices == ["meta"] and large.model is None and large.n_params == n
 
 
 def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_data, tmp_path):
@@ -84,14 +88,13 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
     # before any worker exists.
     from ray import cloudpickle
 
-    from elastic_ddp.driver.launcher import build_trainer
+    from elastic_ddp.driver.launcher import build_trainer, job_spec
     from elastic_ddp.driver.preflight import prepare
-    from elastic_ddp.run_state import JobSpec
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, {"scaling": {"use_gpu": False}}))
-    task, train_info, val_info, sample = prepare(cfg, None)
-    job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info, val=val_info,
-                  tracker=None, t0=0.0, sample=sample, storage=str(tmp_path / "ray_results"))
+    p = prepare(cfg, None)
+    task, train_info = p.task, p.train_info
+    job = job_spec(cfg, p, None, 0.0, str(tmp_path / "ray_results"))
     trainer = build_trainer(cfg, job, None)
     blob = tmp_path / "controller_args.pkl"
     blob.write_bytes(cloudpickle.dumps((trainer.train_run_context, trainer._create_default_callbacks())))

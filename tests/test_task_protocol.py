@@ -24,7 +24,7 @@ def test_a_task_from_a_file_outside_the_repo_passes_the_dry_run(digits_data, tmp
     from elastic_ddp.data.scan import scan_parquet
 
     info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
-    sample = preflight(cfg, task, info, None)
+    sample = preflight(cfg, task, info, None).sample
     assert sample["train"]["image"].shape == (1, 1, 8, 8) and sample["train"]["image"].dtype == np.float32
     assert type(build_model(cfg, task)).__name__ == "Net"
     # Shipped to Ray's workers by value: a pickle of the task needs no import path.

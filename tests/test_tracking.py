@@ -86,7 +86,7 @@ def test_git_remote_credentials_never_reach_a_tag(tmp_path):
 
 def test_dataset_input_and_table_in_a_real_store(digits_data, tmp_path):
     from elastic_ddp.data.scan import scan_parquet
-    from elastic_ddp.tasks.loading import load_task
+    from elastic_ddp.tasks.loading import count_params, load_task
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -94,7 +94,7 @@ def test_dataset_input_and_table_in_a_real_store(digits_data, tmp_path):
     task = load_task(cfg)
     info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
     val = scan_parquet(cfg.data.val_path, task.input_columns(), "sample_id")
-    tracking.log_job_inputs(uri, run_id, cfg, tracking.task_params(cfg, task), info, val, resumed)
+    tracking.log_job_inputs(uri, run_id, cfg, tracking.task_params(task, count_params(cfg, task)), info, val, resumed)
     tracking.log_table(uri, run_id, [{"phase": "scan", "seconds": 1.5}], "startup.json")
     run = tracking.run_info(uri, run_id)
     by_ctx = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}

@@ -10,7 +10,9 @@ DDP across 2 worker processes, and a sqlite MLflow store under tmp_path.
 (c) (the worker-SIGKILL recovery runs in tests/test_elastic.py and, for a user's task,
     tests/test_user_task.py)
 (d) zero1 and fsdp checkpoints written by 2 workers resume in a job of 1 or 3 workers
-    and stay on the uninterrupted job's loss curve.
+    and stay on the uninterrupted job's loss curve;
+(e) an `elastic-ddp train` job builds the model at most twice on the driver (its
+    parameter count and its dry run), and the logged MLflow model holds the final weights.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 from conftest import digits_config, mlflow_runs, pycode_config, replay_plain_torch
+from helpers import TASK, user_config, write_task
 from elastic_ddp.config import Config
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.tasks.loading import build_model, load_task
@@ -344,3 +347,61 @@ def _train_ids(data: Path) -> np.ndarray:
     from elastic_ddp.data.scan import read_sample_ids
 
     return read_sample_ids(data / "train")
+
+
+# ------------------------------------------------------------------------------- (e)
+# helpers.TASK's Digits, whose build_model appends the calling process's id to a file.
+COUNTED_TASK = TASK + '''
+
+import os
+
+
+class CountedDigits(Digits):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def build_model(self, width=16):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return super().build_model(width)
+'''
+
+
+def test_the_driver_builds_the_model_at_most_twice_per_job(ray_cluster, digits_data, tmp_path):
+    import os
+
+    import mlflow
+    import yaml
+
+    from elastic_ddp.driver.cli import main
+
+    log = tmp_path / "builds.txt"
+    raw = user_config(digits_data, tmp_path, write_task(tmp_path, COUNTED_TASK), {
+        "batch": {"global_batch_size": 32, "micro_batch_size": 16},
+        "train": {"epochs": 1, "max_steps": 6, "log_every_steps": 2, "checkpoint_every_steps": 100,
+                  "eval_max_batches": 2}})
+    raw["task"] = {"path": raw["task"]["path"].replace(":Digits", ":CountedDigits"),
+                   "kwargs": {"log": str(log)}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(path), "--no-progress"]) == 0  # this process is the driver
+
+    pids = [int(p) for p in log.read_text().split()]
+    driver = pids.count(os.getpid())
+    print(f"\n[e2e builds] driver {driver}, workers {len(pids) - driver} (pids {pids})")
+    # The count (meta device) and the dry run (CPU); each of the 2 ranks builds its own.
+    assert 1 <= driver <= 2 and len(pids) - driver >= 2, pids
+    # The dry run's module, loaded with the final weights, is the logged MLflow model.
+    (run,) = mlflow_runs(tmp_path)
+    client = _client(tmp_path)
+    local = Path(client.download_artifacts(run.info.run_id, "model", str(tmp_path / "dl")))
+    final = torch.load(local / "model.pt", map_location="cpu", weights_only=True)
+    # The count the MLflow run got from the dry run (Net has parameters only, no buffers).
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.parameters"] == str(sum(t.numel() for t in final.values()))
+    mlflow.set_tracking_uri(client.tracking_uri)
+    (model_id,) = [o.model_id for o in run.outputs.model_outputs]
+    logged = mlflow.pytorch.load_model(f"models:/{model_id}").state_dict()
+    assert logged.keys() == final.keys()
+    assert all(torch.equal(logged[k], final[k]) for k in final)

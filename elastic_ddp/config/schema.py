@@ -139,6 +139,19 @@ class Config(Section):
         is always listed; a dict or list field is compared and listed whole."""
         return _changed_fields(self, None, "")
 
+    def with_run_name(self, name: str) -> "Config":
+        """This config under ``run.name`` ``name``: itself when the name is its own, else a
+        copy whose ``run.name`` is validated on assignment (:func:`check_run_name`).
+
+        Raises:
+            pydantic.ValidationError: ``name`` cannot name a run.
+        """
+        if name == self.run.name:
+            return self
+        out = self.model_copy(deep=True)
+        out.run.name = name
+        return out
+
     def to_flat_dict(self) -> dict[str, Any]:
         """Dotted keys -> values, for MLflow params."""
         out: dict[str, Any] = {}

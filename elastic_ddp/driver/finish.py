@@ -16,12 +16,14 @@ from elastic_ddp.driver.report import Summary, goodput, mlflow_ui_command, recov
 
 def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
                ledger_dir: Optional[str], marks: dict, task=None, sample=None, n_train: int = 1,
-               storage: str = "") -> Summary:
+               storage: str = "", model=None) -> Summary:
     """Close a finished job: flush the tracker, read the newest complete checkpoint, log
     the final model (``model/model.pt`` and an MLflow PyTorch model), goodput, wall
     seconds, start-up and recovery tables into the run, mark it FINISHED, and return the
     :class:`~elastic_ddp.driver.report.Summary`. ``t0``: the job's start (seconds since the
-    epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run)."""
+    epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run);
+    ``model``: the module the driver's dry run built on the CPU (``tasks.loading.DryRun``),
+    which takes the final weights for the MLflow model; None: the model is built here."""
     import ray
 
     from elastic_ddp.checkpoint import checkpoint_step, newest_complete
@@ -72,7 +74,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     gp = goodput(counters.get("committed_train_s", 0.0), wall)
     step = int(progress.get("step", 0))
     if weights is not None and task is not None:
-        model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, sample, step)
+        model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, sample, step, model)
     # One value each, at the last step: scalars of the whole job (the UI's "Model
     # metrics" section); the start-up phases are a table, not eleven one-bar charts.
     tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
@@ -119,11 +121,12 @@ def _event_row(ev: dict) -> dict:
 
 
 def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, sample,
-                      step: int) -> Optional[str]:
-    """Rebuild the job's model from its task, load rank 0's final weights and log it as
-    an MLflow PyTorch model; its signature comes from one forward call on the val sample
-    row. A model that cannot be rebuilt or pickled is reported and skipped (the plain
-    ``model/model.pt`` is there either way)."""
+                      step: int, model=None) -> Optional[str]:
+    """Load the final weights into ``model`` (the dry run's CPU module), or into the job's
+    model built from its task when there is none, and log it as an MLflow PyTorch model;
+    its signature comes from one forward call on the val sample row. A model that cannot
+    be built, loaded or pickled is reported and skipped (the plain ``model/model.pt`` is
+    there either way)."""
     import sys
 
     import torch
@@ -131,8 +134,11 @@ def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, s
     from elastic_ddp.tasks.loading import build_model
 
     try:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg, task)
+        if model is None:
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg, task)
+        # Strict: every parameter and persistent buffer (batch-norm statistics too) is
+        # replaced by the checkpoint's.
         model.load_state_dict(weights)
         model.eval()
         example = _forward_example(model, task, sample)

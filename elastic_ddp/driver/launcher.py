@@ -27,9 +27,9 @@ from elastic_ddp.driver.finish import finish_job as _finish
 from elastic_ddp.driver.lease import RunLease
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                           check_tracking_store, prepare, process_start_time,
-                                          tracking_uri_field)
+                                          tracking_uri_field, Prepared)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
-from elastic_ddp.run_state import Diagnostics
+from elastic_ddp.run_state import Diagnostics, JobSpec
 
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
 
@@ -217,6 +217,17 @@ def build_trainer(cfg: Config, job, tracker):
 
 
 
+def job_spec(cfg: Config, prep: Prepared, tracker, t0: float, storage: str,
+             diagnostics: Optional[Diagnostics] = None) -> JobSpec:
+    """What every worker receives (``worker.entry.load_job``): ``cfg`` itself, as the driver
+    validated it (the workers use it as it is), the task, both scans and the dry run's
+    sample rows from ``prep``, the tracker actor, the job's start ``t0`` (seconds since the
+    epoch), the Ray storage root and the ``diagnostics``."""
+    return JobSpec(config=cfg, task=prep.task, train=prep.train_info, val=prep.val_info,
+                   tracker=tracker, t0=t0, sample=prep.sample, storage=storage,
+                   diagnostics=diagnostics or Diagnostics())
+
+
 def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional[str] = None,
           command_start: Optional[float] = None,
           on_validated: Optional[Callable[[Config], None]] = None,
@@ -247,8 +258,6 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     host = tracker = None
     try:
 
-        from elastic_ddp.run_state import JobSpec
-
         t0 = time.time()
         marks = {"process_start": command_start or t0, "train_called": t0}
         check_tracking_store(uri, tracking_uri_field(cfg))  # seconds, not MLflow's minutes
@@ -259,13 +268,14 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         if early:
             host, tracker = _connect_and_start(cfg, uri)
             marks["ray_ready"] = time.time()
-        task, train_info, val_info, sample = prepare(cfg, task)
+        prep = prepare(cfg, task)
+        task, train_info, val_info = prep.task, prep.train_info, prep.val_info
         if on_validated is not None:
             on_validated(cfg)
         skipped = report_skipped(train_info, val_info)
         if not early:
             check_ray_address()
-        params = tracking.task_params(cfg, task)
+        params = tracking.task_params(task, prep.dry_run.n_params)
         # One live job per run: taken before the MLflow run is opened or resumed.
         lease = RunLease(_storage_path(cfg), cfg.run.name).acquire()
     except BaseException:
@@ -301,7 +311,8 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
             raise
         finally:
             lease.release()
-    run_id, resumed, cfg = opened["run_id"], opened["resumed"], opened["cfg"]
+    run_id, resumed = opened["run_id"], opened["resumed"]
+    cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
     try:
         tracker.bind.remote(run_id, **opened["attempts"])
         from elastic_ddp.batching import run_length
@@ -310,9 +321,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         print(f"elastic-ddp: run {cfg.run.name!r} -> MLflow run {run_id} "
               f"({'resumed' if resumed else 'new'}); {train_info.num_rows} train rows in "
               f"{len(train_info.files)} files; {total} steps", flush=True)
-        job = JobSpec(config=cfg.model_dump(mode="json"), task=task, train=train_info,
-                      val=val_info, tracker=tracker, t0=t0, sample=sample, storage=storage,
-                      diagnostics=diagnostics)
+        job = job_spec(cfg, prep, tracker, t0, storage, diagnostics)
         trainer = build_trainer(cfg, job, tracker)
         if host is not None:
             trainer.controller_host = host
@@ -325,8 +334,8 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
             _after_failed_fit(tracker)
             raise
         opener.finish()  # the system metrics end with the training
-        return _finish(cfg, uri, run_id, tracker, result, t0, diagnostics.ledger_dir, marks, task, sample,
-                       train_info.num_rows, storage)
+        return _finish(cfg, uri, run_id, tracker, result, t0, diagnostics.ledger_dir, marks, task,
+                       prep.sample, train_info.num_rows, storage, model=prep.dry_run.model)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.controller.failures import describe_training_error
 

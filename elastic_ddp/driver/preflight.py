@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from elastic_ddp.config import Config
+
+if TYPE_CHECKING:
+    from elastic_ddp.tasks.loading import DryRun
 
 
 def check_ray_address() -> None:
@@ -91,11 +95,28 @@ def tracking_uri_field(cfg: Config) -> str:
     return "run.tracking_uri" if cfg.run.tracking_uri else "MLFLOW_TRACKING_URI"
 
 
-def prepare(cfg: Config, task=None):
+@dataclass
+class Prepared:
+    """What :func:`prepare` found: the loaded task, both splits' scans
+    (``data.scan.DatasetInfo``; ``val_info`` None without ``data.val_path``) and the dry
+    run (``tasks.loading.DryRun``: the sample rows, the parameter count, the CPU-built
+    model)."""
+
+    task: Any
+    train_info: Any
+    val_info: Any
+    dry_run: DryRun
+
+    @property
+    def sample(self) -> dict:
+        """``{"train": row, "val": row}``: one transformed row of each split."""
+        return self.dry_run.sample
+
+
+def prepare(cfg: Config, task=None) -> Prepared:
     """Everything that can be checked before Ray or MLflow starts: the task (and that
     every job input pickles: ``tasks.pickling``), both
     splits' footers against the task's columns, and a dry run of the task on two rows.
-    Returns (task, train_info, val_info, sample).
 
     Raises:
         TaskError, DataError, ConfigError: see :func:`train`.
@@ -115,9 +136,9 @@ def prepare(cfg: Config, task=None):
         epoch_order(train_info, cfg, 0)
     except ValueError as e:
         raise DataError(f"{d.train_path}: {e}") from None
-    sample = preflight(cfg, task, train_info, val_info)
+    dry = preflight(cfg, task, train_info, val_info)
     check_storage(cfg)
-    return task, train_info, val_info, sample
+    return Prepared(task, train_info, val_info, dry)
 
 
 def check_storage(cfg: Config) -> None:

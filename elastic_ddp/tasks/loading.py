@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -197,18 +198,36 @@ def sample_rows(info, n: int = 2) -> dict:
     return BlockAccessor.for_block(t).to_batch_format("numpy")
 
 
-def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, dict]:
+@dataclass
+class DryRun:
+    """What the driver's dry run (:func:`preflight`) leaves for the rest of the job.
+
+    ``sample``: ``{"train": rows, "val": rows}``, one transformed row of each split (numpy
+    arrays), the template of an empty batch for a rank whose share of a step or of
+    validation is empty. ``n_params``: the model's parameter count (the
+    ``model.parameters`` param of the MLflow run); None when the model could not be built.
+    ``model``: the CPU module the loss ran on (seeded with ``cfg.seed``), which the driver
+    loads the final weights into for the logged MLflow model; None when the dry run ran
+    on the meta device (a model over ``CPU_DRY_RUN_PARAMS``) or was left for step 1.
+    """
+
+    sample: dict
+    n_params: Optional[int] = None
+    model: Any = None
+
+
+def preflight(cfg: Config, task: Task, train_info, val_info=None) -> DryRun:
     """Run the task on two real rows before any worker starts: transform (train and
-    val), collate, model build and the loss, whose shape must be [B]. A model of at most
-    ``CPU_DRY_RUN_PARAMS`` parameters runs on the CPU; a larger one on PyTorch's ``meta``
-    device (no memory, no compute: shapes only), and when the meta device cannot run it,
-    on the CPU if it has at most 50M parameters, else its loss shape is left for step 1
-    to check.
+    val), collate, model build and the loss, whose shape must be [B]. The model is built
+    on PyTorch's ``meta`` device first (no memory, no compute) for its parameter count; a
+    model of at most ``CPU_DRY_RUN_PARAMS`` parameters then runs on the CPU (a second
+    build, kept in the result); a larger one runs on that meta-device build (shapes only),
+    and when the meta device cannot run it, on the CPU if it has at most 50M parameters,
+    else its loss shape is left for step 1 to check. A model that cannot be built on the
+    meta device runs on the CPU. At most two builds either way.
 
     Returns:
-        ``{"train": rows, "val": rows}``: one transformed row of each split (numpy
-        arrays), the template of an empty batch for a rank whose share of a step or of
-        validation is empty.
+        :class:`DryRun`: the sample rows, the parameter count and the CPU-built model.
 
     Raises:
         TaskError: the transform, collate, model or loss fails on the sample, or the loss
@@ -238,22 +257,30 @@ def preflight(cfg: Config, task: Task, train_info, val_info=None) -> dict[str, d
     except Exception as e:  # noqa: BLE001
         raise TaskError(f"{type(task).__name__}.collate failed on transformed rows: "
                         f"{type(e).__name__}: {e}") from e
-    _check_loss(cfg, task, tensors, len(train_rows[train_info.id_column]), sources)
-    return out
+    n_params, model = _check_loss(cfg, task, tensors, len(train_rows[train_info.id_column]), sources)
+    return DryRun(out, n_params, model)
 
 
 # Models up to this many parameters are dry-run on the CPU, larger ones on the meta
 # device. Why not meta for all: PyTorch's meta kernels for most ops (the initializers,
 # an add) are Python decompositions that import torch._dynamo on first use, the driver's
 # largest single start-up cost, while a small model's real forward on two rows costs
-# less. The price: up to 4 bytes x this many of driver memory for a moment.
+# less. The price: up to 4 bytes x this many of driver memory, held for the job (the
+# same module becomes the logged MLflow model).
 CPU_DRY_RUN_PARAMS = 20_000_000
+# A model over the meta limit whose meta-device run fails is dry-run on the CPU up to
+# this many parameters; a larger one is left for step 1.
+CPU_FALLBACK_PARAMS = 50_000_000
 
 
-def count_params(cfg: Config, task: Task) -> Optional[int]:
-    """The model's parameter count, built on the meta device with its initializers
-    skipped (they only fill values the meta device does not hold, and their meta kernels
-    import torch._dynamo). None when the model cannot be built that way."""
+def _meta_model(cfg: Config, task: Task):
+    """The model built on the meta device with its initializers skipped (they only fill
+    values the meta device does not hold, and their meta kernels import torch._dynamo);
+    None when the model cannot be built that way.
+
+    Raises:
+        TaskError: the factory refuses ``model.kwargs`` (:func:`build_model`).
+    """
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -267,15 +294,24 @@ def count_params(cfg: Config, task: Task) -> Optional[int]:
 
     try:
         with torch.device("meta"), _SkipInit():
-            return sum(p.numel() for p in build_model(cfg, task).parameters())
+            return build_model(cfg, task)
     except TaskError:
         raise
-    except Exception:  # noqa: BLE001 - the meta-then-CPU path below reports it
+    except Exception:  # noqa: BLE001 - preflight then builds it on the CPU, which reports it
         return None
 
 
+def count_params(cfg: Config, task: Task) -> Optional[int]:
+    """The model's parameter count, from one build on the meta device (no memory).
+    None when the model cannot be built that way."""
+    model = _meta_model(cfg, task)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
 def _check_loss(cfg: Config, task: Task, tensors: dict, n: int,
-                sources: Optional[dict] = None) -> None:
+                sources: Optional[dict] = None) -> tuple[Optional[int], Any]:
+    """Run ``task.loss`` on ``tensors`` (``n`` rows); see :func:`preflight` for where.
+    Returns (parameter count, the CPU module it ran on, or None)."""
     import torch
 
     from elastic_ddp.tasks.dtypes import dtype_hint
@@ -283,20 +319,18 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int,
 
     dtype = [None]
 
-    def run(device: str) -> None:
-        with torch.device(device):
-            torch.manual_seed(cfg.seed)
-            model = build_model(cfg, task)
+    def run(model, device: str) -> None:
         dtype[0] = parameter_dtype(model)
         # As the trainer does: floating inputs in the model's parameter dtype.
         _, extra = split_loss(task.loss(model, model_inputs(tensors, device, dtype[0])), n)
         check_metric_names(task, extra)
 
-    n_params = count_params(cfg, task)
-    if n_params is None or n_params > CPU_DRY_RUN_PARAMS:
+    meta = _meta_model(cfg, task)
+    n_params = None if meta is None else sum(p.numel() for p in meta.parameters())
+    if n_params is not None and n_params > CPU_DRY_RUN_PARAMS:
         try:
-            run("meta")
-            return
+            run(meta, "meta")
+            return n_params, None
         except TaskError:
             raise
         except ValueError as e:
@@ -304,13 +338,17 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int,
                 raise TaskError(str(e)) from None
         except Exception:  # noqa: BLE001 - an op without a meta kernel, or a real error: see CPU
             pass
-        if n_params is None:
-            with torch.device("meta"):
-                n_params = sum(p.numel() for p in build_model(cfg, task).parameters())
-        if n_params > 50_000_000:
-            return
+        if n_params > CPU_FALLBACK_PARAMS:
+            return n_params, None
+    del meta
+    model = None
     try:
-        run("cpu")
+        with torch.device("cpu"):
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg, task)
+        if n_params is None:
+            n_params = sum(p.numel() for p in model.parameters())
+        run(model, "cpu")
     except TaskError:
         raise
     except ValueError as e:
@@ -322,6 +360,7 @@ def _check_loss(cfg: Config, task: Task, tensors: dict, n: int,
         first = (str(e).strip().splitlines() or [""])[0]
         raise TaskError(f"{type(task).__name__}.loss failed on two rows of the data: "
                         f"{type(e).__name__}: {first}{dtype_hint(e, tensors, dtype[0], sources or {})}") from e
+    return n_params, model
 
 
 # MLflow's rule for metric names (mlflow.utils.validation.validate_param_and_metric_name and

@@ -145,21 +145,17 @@ def source_tags() -> dict[str, str]:
 
 
 
-def task_params(cfg: Config, task) -> dict[str, Any]:
+def task_params(task, n_params: Optional[int]) -> dict[str, Any]:
     """The params only the loaded task knows: ``task`` (its class) and
-    ``model.parameters`` (count, built on the meta device: no memory; left out when the
-    model cannot be built). Computed where the task is loaded (the driver), so that the
-    process that writes them (:mod:`elastic_ddp.tracking.opener`) needs neither torch nor
-    the task's modules."""
+    ``model.parameters`` (``n_params``, the dry run's count: ``tasks.loading.DryRun``;
+    left out when None, a model that could not be built). Computed where the task is
+    loaded (the driver), so that the process that writes them
+    (:mod:`elastic_ddp.tracking.opener`) needs neither torch nor the task's modules."""
     if task is None:
         return {}
-    from elastic_ddp.tasks.loading import count_params
-
     out: dict[str, Any] = {"task": f"{type(task).__module__}.{type(task).__qualname__}"}
-    try:
-        out["model.parameters"] = count_params(cfg, task)
-    except Exception:  # noqa: BLE001 - a model that cannot be built: no such param
-        pass
+    if n_params is not None:
+        out["model.parameters"] = n_params
     return out
 
 

@@ -122,7 +122,9 @@ def open_job_run(cfg, storage: str, uri: str, parent_run_id: Optional[str], task
 
     ``system_metrics``: the helper then monitors the system (:func:`start_system_metrics`).
 
-    Returns: ``{"run_id", "resumed", "cfg" (with the Ray run name), "attempts"}``."""
+    Returns: ``{"run_id", "resumed", "ray_run_name", "attempts"}``: the Ray Train run
+    name (:func:`ray_run_name`) alone, not a config, so that the driver keeps the one
+    ``Config`` it validated."""
     import json
 
     from elastic_ddp import tracking
@@ -130,7 +132,7 @@ def open_job_run(cfg, storage: str, uri: str, parent_run_id: Optional[str], task
     run_id, resumed = tracking.open_run(cfg, storage, uri, parent_run_id=parent_run_id)
     try:
         tracking.log_job_inputs(uri, run_id, cfg, task_params, train_info, val_info, resumed)
-        cfg = ray_run_name(cfg, storage, uri, run_id, resumed)
+        ray_name = ray_run_name(cfg, storage, uri, run_id, resumed)
         if skipped:
             tracking.log_text(uri, run_id, json.dumps(skipped, indent=1), "data/skipped.json")
             tracking.set_tags(uri, run_id, {"elastic_ddp.data_skipped": sum(map(len, skipped.values()))})
@@ -138,10 +140,10 @@ def open_job_run(cfg, storage: str, uri: str, parent_run_id: Optional[str], task
     except BaseException as e:
         tracking.finish_run(uri, run_id, ok=False, error=f"{type(e).__name__}: {e}", status="FAILED")
         raise
-    return {"run_id": run_id, "resumed": resumed, "cfg": cfg, "attempts": attempts}
+    return {"run_id": run_id, "resumed": resumed, "ray_run_name": ray_name, "attempts": attempts}
 
 
-def ray_run_name(cfg, storage: str, uri: str, run_id: str, resumed: bool):
+def ray_run_name(cfg, storage: str, uri: str, run_id: str, resumed: bool) -> str:
     """The Ray Train run directory for this job. Ray Train restores a run from
     ``storage_path/name`` by itself, so an unfinished job resumes by reusing the name its
     MLflow run recorded, while a new job whose name is already taken by a finished one
@@ -155,11 +157,7 @@ def ray_run_name(cfg, storage: str, uri: str, run_id: str, resumed: bool):
         if not resumed and _run_dir_exists(storage, ray_name):
             ray_name = f"{cfg.run.name}-{run_id[:8]}"
         set_tags(uri, run_id, {RAY_RUN_NAME_TAG: ray_name})
-    if ray_name == cfg.run.name:
-        return cfg
-    out = cfg.model_copy(deep=True)
-    out.run.name = ray_name
-    return out
+    return ray_name
 
 
 def _run_dir_exists(storage: str, name: str) -> bool:

@@ -6,6 +6,29 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic_ddp.run_state import JobSpec
+
+
+def load_job(loop_config: dict) -> JobSpec:
+    """The :class:`~elastic_ddp.run_state.JobSpec` the driver shipped
+    (``driver.launcher.build_trainer``: cloudpickle bytes under ``"job"``, opaque to the
+    Ray Train controller), with the driver's validated ``Config`` in ``job.config``.
+
+    Raises:
+        TypeError: ``job.config`` is not a ``Config`` (a driver that sent a plain dict).
+    """
+    from ray import cloudpickle
+
+    from elastic_ddp.config import Config
+
+    job = cloudpickle.loads(loop_config["job"])
+    if not isinstance(job.config, Config):
+        raise TypeError(f"JobSpec.config is a {type(job.config).__name__}; the driver hands the "
+                        "workers its validated elastic_ddp.config.Config")
+    return job
 
 
 def train_func(loop_config: dict) -> None:
@@ -19,12 +42,10 @@ def train_func(loop_config: dict) -> None:
     from elastic_ddp.positions import located
     from elastic_ddp.worker.trainer import Trainer
 
-    from ray import cloudpickle
-
-    job = cloudpickle.loads(loop_config["job"])  # launcher.build_trainer: bytes, for the controller
+    job = load_job(loop_config)
     ctx = ray.train.get_context()
-    scaling = job.config["scaling"]
-    torch.set_num_threads(scaling.get("torch_threads") or max(1, int(scaling["cpus_per_worker"])))
+    scaling = job.config.scaling
+    torch.set_num_threads(scaling.torch_threads or max(1, int(scaling.cpus_per_worker)))
     trainer = None
     try:
         trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())

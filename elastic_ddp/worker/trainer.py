@@ -25,7 +25,6 @@ import torch
 from elastic_ddp.compat.torch_nn import BatchNormBase
 from elastic_ddp.batching import lr_at, run_length, step_rows
 from elastic_ddp.checkpoint.manager import CheckpointManager
-from elastic_ddp.config import Config
 from elastic_ddp.positions import Position
 from elastic_ddp.worker import fault_tolerance
 from elastic_ddp.worker.evaluation import evaluate
@@ -52,7 +51,7 @@ class Trainer:
 
     def __init__(self, job: JobSpec, rank: int, world_size: int, device: torch.device):
         self.job, self.rank, self.world_size, self.device = job, rank, world_size, device
-        self.cfg = cfg = Config.from_dict(job.config)
+        self.cfg = cfg = job.config  # validated once, by the driver
         self.task = job.task
         self.n_train = job.train.num_rows
         self.plan, self.run = run_length(cfg, self.n_train, world_size)
@@ -85,7 +84,9 @@ class Trainer:
         self._nonfinite_run = 0
         self.loader = RankLoader(job, cfg, self.plan, world_size)
         self._eval_names: Optional[list[str]] = None
-        self.ckpt = CheckpointManager(job.storage, cfg.run.name, job.config, rank, world_size,
+        # The checkpoint's config.json: the config as JSON, for a person or a tool to read.
+        self.ckpt = CheckpointManager(job.storage, cfg.run.name, cfg.model_dump(mode="json"),
+                                      rank, world_size,
                                       collective=self.comm_size > 1, log=self.log,
                                       tracker=self.tracker, strategy_name=cfg.parallel.strategy)
 
