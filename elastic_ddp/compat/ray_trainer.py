@@ -12,7 +12,8 @@ and a dataset manager. Here:
 - no synchronization actor: the controller's process (:class:`ControllerHost`) serves
   each worker group's barrier, and on a running cluster it boots before ``fit``;
 - no dataset manager when no dataset is passed, and no placement-group cleaner
-  (:func:`trainer_class`); the preemption watcher is off (``launcher.build_trainer``);
+  (:func:`trainer_class`); the preemption watcher runs only where a notice becomes a
+  checkpoint (``launcher.build_trainer``, ``worker.notice``);
 - no runtime environment for the controller and the workers when the user sets none
   (:class:`EnvController`). Ray Train passes its ``RAY_TRAIN_*`` settings from the
   driver to the controller and on to every worker as a runtime environment's
