@@ -154,8 +154,9 @@ def build_trainer(cfg: Config, job, tracker):
     # Ray Train's preemption watcher (one more actor process per worker-group start)
     # tells the workers of a node drain, polling the GCS every second: a notice becomes a
     # checkpoint (worker.notice). Off where notices are handled as crashes.
-    preempt = job.preemption = (preemption_supported(plan) and s.preemption_checkpoint
-                                and s.fault_tolerance == "restart")
+    preempt = preemption_supported(plan) and s.preemption_checkpoint and s.fault_tolerance == "restart"
+    if job is not None:  # the workers' JobSpec (None: a trainer built only to be inspected)
+        job.preemption = preempt
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1" if preempt else "0")
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     if s.preemption_checkpoint and s.fault_tolerance == "restart" and preemption_notice_line(plan):
