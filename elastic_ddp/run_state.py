@@ -76,7 +76,8 @@ class JobSpec:
     ``sample``: ``{"train": row, "val": row}``, one transformed row of each split from
     the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
     rank whose share is empty. ``diagnostics``: what a test or an experiment adds
-    (:class:`Diagnostics`).
+    (:class:`Diagnostics`). ``preemption``: this Ray turns a notice into a checkpoint
+    (``compat.versions.preemption_supported``; ``elastic_ddp.worker.notice``).
     """
 
     config: Config
@@ -88,6 +89,7 @@ class JobSpec:
     sample: dict
     storage: str = ""
     diagnostics: Diagnostics = field(default_factory=lambda: Diagnostics())
+    preemption: bool = False
 
     @property
     def ledger_dir(self) -> Optional[str]:

@@ -4,6 +4,7 @@ and the data-wait share of step time.
 
     .venv/bin/python experiments/bench_overhead.py                       # bench_gpt.yaml, N=1,2
     .venv/bin/python experiments/bench_overhead.py --world-sizes 2 --steps 40
+    .venv/bin/python experiments/bench_overhead.py --preemption --world-sizes 2   # listening on vs off
 
 Prerequisite (once): ``.venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4
 --max-bytes 3000000``.
@@ -28,6 +29,11 @@ Definitions (both sides measured the same way, on rank 0, over steps warmup+1..s
 The MLflow store is created before the first timed run (a user's second and later
 jobs), so cmd->1st step does not include MLflow's one-off schema migration.
 Targets: ratio >= 97%, data wait < 2%, elastic cmd->1st step < 15 s.
+
+``--preemption``: no torchrun; the elastic job with ``scaling.preemption_checkpoint``
+off and on (the per-step agreement on a notice, the SIGTERM handler, Ray Train's
+preemption watcher), alternated ``--repeats`` times in the same run, and the ratio of the
+medians of samples/s (target: on >= 99% of off).
 """
 
 from __future__ import annotations
@@ -130,7 +136,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="log step that opens the window")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--preemption", action="store_true",
+                    help="compare scaling.preemption_checkpoint on and off instead of torchrun")
+    ap.add_argument("--repeats", type=int, default=2, help="--preemption: runs of each, alternated")
     args = ap.parse_args()
+    if args.preemption:
+        return preemption_main(args)
 
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results = []
@@ -172,6 +183,41 @@ def main() -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             [{"world_size": ws, "baseline": b, "elastic": e} for ws, b, e in results], indent=1))
+    return 0
+
+
+def preemption_main(args) -> int:
+    """The job with the notice handling off and on, alternated, at each world size."""
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-preempt-") as tmp:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(f"sqlite:///{Path(tmp) / 'mlflow.db'}").search_experiments()
+        for ws in [int(w) for w in args.world_sizes.split(",")]:
+            got: dict[str, list] = {"off": [], "on": []}
+            for i in range(args.repeats):
+                for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                    sets = [*args.overrides, f"scaling.preemption_checkpoint={'true' if mode == 'on' else 'false'}"]
+                    e = run_elastic(args.config, ws, args.steps, args.warmup, sets, Path(tmp))
+                    print(f"[N={ws}] {mode}: {e['samples_per_s']:.1f} samples/s "
+                          f"(in-loop {e['in_loop_samples_per_s']:.1f})", flush=True)
+                    got[mode].append(e)
+            rows.append((ws, got))
+    print(f"load average at end: {os.getloadavg()}")
+    print()
+    print(f"config {args.config}, steps {args.warmup + 1}..{args.steps} measured, {args.repeats} runs "
+          f"each, alternated (overrides: {args.overrides or 'none'})")
+    hdr = f"{'N':>2} | {'off sps (median)':>16} | {'on sps (median)':>15} | {'on/off':>6} | {'in-loop on/off':>14}"
+    print(hdr)
+    print("-" * len(hdr))
+    for ws, got in rows:
+        med = {m: statistics.median(e["samples_per_s"] for e in got[m]) for m in got}
+        loop = {m: statistics.median(e["in_loop_samples_per_s"] for e in got[m]) for m in got}
+        print(f"{ws:>2} | {med['off']:>16.1f} | {med['on']:>15.1f} | {med['on'] / med['off']:>6.1%} | "
+              f"{loop['on'] / loop['off']:>14.1%}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([{"world_size": ws, **got} for ws, got in rows], indent=1))
     return 0
 
 

@@ -20,7 +20,9 @@ except ImportError:  # a Ray release that moved them: ControllerEvents only has 
     class WorkerGroupCallback:  # type: ignore[no-redef]
         pass
 
-__all__ = ["ControllerCallback", "WorkerGroupCallback", "actor_death_time", "retry_worker_deaths_at_start"]
+__all__ = ["ControllerCallback", "WorkerGroupCallback", "actor_death_time", "count_notices_as_preemptions",
+           "local_preemption_info", "retry_worker_deaths_at_start", "run_in_main_thread",
+           "take_preemption", "tell_workers", "user_error"]
 
 
 def retry_worker_deaths_at_start() -> None:
@@ -58,3 +60,100 @@ def actor_death_time(actor_id: Optional[str]) -> Optional[float]:
         return end / 1000.0 if end else None
     except Exception:  # noqa: BLE001 - bookkeeping only
         return None
+
+
+# ------------------------------------------------------------------ preemption (Ray 2.60)
+# What these buy: a notice (node drain, a worker's SIGTERM, the driver's stop) becomes a
+# checkpoint at the next step boundary and a restart charged to the preemption budget
+# (FailureConfig.max_preemption_failures), not to max_failures. Version guard:
+# compat.versions.PREEMPTION_RAY (and preemption_supported); elsewhere none is called.
+
+def user_error(exc: BaseException) -> Optional[BaseException]:
+    """The train function's own error inside Ray Train's ``UserExceptionWithTraceback``
+    (what ``WorkerGroupError.worker_failures`` holds), or None for any other exception."""
+    if type(exc).__name__ == "UserExceptionWithTraceback":
+        return getattr(exc, "_base_exc", None)
+    return None
+
+
+_last_preemption: list = []
+
+
+def count_notices_as_preemptions(is_notice) -> None:
+    """Make a worker group whose failed ranks all raised a notice's error
+    (``is_notice(exc)``: ``notice.Preempted``, the checkpoint at a notice committed) a
+    preemption for Ray Train's failure policy
+    (charged to ``max_preemption_failures``, as Ray charges a node reclaim), and keep
+    every error the policy counts as a preemption for :func:`take_preemption` (run in
+    the controller's process, by ``ControllerEvents.after_controller_start``).
+
+    Ray Train 2.60's ``failure_handling.default._is_preemption_failure`` decides which
+    budget a failure spends; it knows ``PreemptionError`` and a reclaimed node's actor
+    deaths, not a train function that ended on a notice."""
+    from ray.train.v2._internal.execution.failure_handling import default
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    orig = default._is_preemption_failure
+    if getattr(orig, "_elastic_ddp", False):
+        return
+
+    def is_preemption(error) -> bool:
+        ours = isinstance(error, WorkerGroupError) and bool(error.worker_failures) and all(
+            is_notice(e) for e in error.worker_failures.values())
+        if ours or orig(error):
+            _last_preemption[:] = [error]
+            return True
+        return False
+
+    is_preemption._elastic_ddp = True
+    default._is_preemption_failure = is_preemption
+
+
+def take_preemption() -> Optional[dict]:
+    """The last failure counted as a preemption (since the previous call), as
+    ``{"nodes": [node ids], "deadline_t": s or None, "drain_timed_out": bool,
+    "failures": [each failed rank's exception]}`` (nodes and deadline: of a drain Ray
+    Train's watcher saw); None when there was none."""
+    if not _last_preemption:
+        return None
+    error = _last_preemption.pop()
+    info = getattr(error, "preemption_info", None)
+    return {"nodes": list(info.preempted_node_ids) if info is not None else [],
+            "deadline_t": info.deadline_ms / 1000.0 if info is not None and info.deadline_ms else None,
+            "drain_timed_out": bool(getattr(error, "drain_timed_out", False)),
+            "failures": list(getattr(error, "worker_failures", {}).values())}
+
+
+def local_preemption_info() -> Optional[dict]:
+    """On a worker: the node drain Ray Train's preemption watcher reported to this
+    worker, without the barrier ``ray.train.get_preemption_info()`` is (a round trip to
+    the controller's process per call): ``{"deadline_t": s or None, "nodes": [...],
+    "ranks": [...]}``, or None."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        info = get_train_context().preemption_context.preemption_info
+    except Exception:  # noqa: BLE001 - no notice is the safe answer
+        return None
+    if info is None:
+        return None
+    return {"deadline_t": info.deadline_ms / 1000.0 if info.deadline_ms else None,
+            "nodes": list(info.preempted_node_ids), "ranks": list(info.preempted_ranks)}
+
+
+def run_in_main_thread(fn, *args):
+    """Run ``fn(*args)`` in this Ray Train worker's main thread (where signal handlers
+    are installed) and return its result: the train function runs in a thread of its
+    own, and the worker actor's ``execute`` method runs on the main thread."""
+    import ray
+
+    return ray.get(ray.get_runtime_context().current_actor.execute.remote(fn, *args), timeout=120)
+
+
+def tell_workers(worker_group, fn) -> int:
+    """Run ``fn()`` in the main thread of every worker of ``worker_group`` (Ray Train's
+    ``WorkerGroup``), without waiting; returns how many were told."""
+    workers = worker_group.get_workers() if worker_group is not None else []
+    for w in workers:
+        w.actor.execute.remote(fn)
+    return len(workers)

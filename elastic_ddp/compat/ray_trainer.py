@@ -12,7 +12,8 @@ and a dataset manager. Here:
 - no synchronization actor: the controller's process (:class:`ControllerHost`) serves
   each worker group's barrier, and on a running cluster it boots before ``fit``;
 - no dataset manager when no dataset is passed, and no placement-group cleaner
-  (:func:`trainer_class`); the preemption watcher is off (``launcher.build_trainer``);
+  (:func:`trainer_class`); the preemption watcher runs only where a notice becomes a
+  checkpoint (``launcher.build_trainer``, ``worker.notice``);
 - no runtime environment for the controller and the workers when the user sets none
   (:class:`EnvController`). Ray Train passes its ``RAY_TRAIN_*`` settings from the
   driver to the controller and on to every worker as a runtime environment's
@@ -34,6 +35,7 @@ import os
 CONTROLLER_ENV_VARS = frozenset({
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
     "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S",
     "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC",
 })
 
@@ -140,6 +142,19 @@ class ControllerHost:
 
     async def get_all_reported_checkpoints(self, *args, **kwargs):
         return await self._controller.get_all_reported_checkpoints(*args, **kwargs)
+
+    async def request_stop(self, note) -> int:
+        """The driver's stop (its SIGTERM): ``note()`` (``notice.request_stop``) runs in
+        this process, where the controller's callbacks then end the run at the next
+        failure decision instead of restarting (``controller.events.StopRequested``), and
+        in every worker of the running group, which commit a checkpoint at the next step
+        boundary (``elastic_ddp.notice``). Returns the number of workers told (0 between
+        groups: ``ControllerEvents`` tells the next group when it starts)."""
+        from elastic_ddp.compat.ray_train import tell_workers
+
+        note()
+        group = self._controller.get_worker_group() if self._controller is not None else None
+        return tell_workers(group, note)
 
     def _drop_sync(self) -> None:
         """The worker group is gone: wake whatever waits at its barrier (dead ranks'

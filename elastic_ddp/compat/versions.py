@@ -35,6 +35,10 @@ TESTED_RAY = ("2.56.0", "2.56.1", "2.57.0", "2.57.1", "2.58.0", "2.58.1", "2.59.
 # The first Ray release with Ray Train's TorchftConfig, which scaling.fault_tolerance=
 # per_step runs on (a public module; every supported release has it).
 TORCHFT_RAY = "2.55.0"
+# The releases whose Ray Train has the preemption API (its watcher, PreemptionError,
+# FailureConfig.max_preemption_failures) and on which compat.ray_train's preemption
+# helpers were tested. Elsewhere a notice (node drain, SIGTERM) is handled as a crash.
+PREEMPTION_RAY = ("2.60.0",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,23 @@ def ray_plan(version: Optional[str] = None) -> RayPlan:
         version = ray.__version__
     applied = tuple(o for o in OVERRIDES if version in o.tested)
     return RayPlan(version, applied, tuple(o for o in OVERRIDES if o not in applied))
+
+
+def preemption_supported(plan: RayPlan) -> bool:
+    """Whether a notice becomes a checkpoint and a preemption on ``plan``'s Ray: a
+    release of :data:`PREEMPTION_RAY` with the controller overrides applied (the
+    controller host forwards the driver's stop; the controller events count notices)."""
+    return (plan.version in PREEMPTION_RAY and plan.applies("controller_host")
+            and plan.applies("controller_events"))
+
+
+def preemption_notice_line(plan: RayPlan) -> Optional[str]:
+    """The one line a job prints on a Ray without the preemption API, else None."""
+    if preemption_supported(plan):
+        return None
+    return (f"elastic-ddp: Ray {plan.version} has no preemption support elastic-ddp uses "
+            f"(Ray {PREEMPTION_RAY[0]}): a node drain or SIGTERM is handled as a crash "
+            "(resume from the newest checkpoint, counted in scaling.max_failures)")
 
 
 _warned: set[str] = set()

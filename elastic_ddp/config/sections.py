@@ -227,7 +227,19 @@ class ScalingConfig(Section):
         None, ge=1, description="torch.set_num_threads per worker; default its CPU share."
     )
     max_failures: int = Field(
-        3, ge=-1, description="Worker failures allowed (-1: unlimited)."
+        3, ge=-1, description="Worker failures allowed (-1: unlimited); preemptions are not counted."
+    )
+    max_preemptions: int = Field(
+        -1, ge=-1, description=(
+            "Preemptions allowed (Ray Train's max_preemption_failures; -1: unlimited): a "
+            "node drained with notice, a worker's SIGTERM, a node reclaimed after a drain."),
+    )
+    preemption_checkpoint: bool = Field(
+        True, description=(
+            "restart mode, Ray 2.60: on a notice (node drain, a worker's or the driver's "
+            "SIGTERM) every rank learns it at the next step boundary (one small all-reduce "
+            "per step), commits a checkpoint there and the job restarts from it (the "
+            "driver's: stops, exit 143). false: a notice is handled as a crash."),
     )
     fault_tolerance: Literal["restart", "per_step"] = Field(
         "restart", description=(

@@ -14,8 +14,10 @@ from typing import Any, Dict, List, Optional
 
 from ray.train.v2.api.callback import UserCallback
 
+from elastic_ddp import notice
 from elastic_ddp.compat.ray_train import (ControllerCallback, WorkerGroupCallback, actor_death_time,
-                                          retry_worker_deaths_at_start)
+                                          count_notices_as_preemptions, retry_worker_deaths_at_start,
+                                          take_preemption, tell_workers)
 
 from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
                                              stops_at_once, stragglers)
@@ -31,13 +33,21 @@ class DeterministicTrainingError(RuntimeError):
     message names the step, the rank, the phase and the likely cause."""
 
 
+class StopRequested(RuntimeError):
+    """The driver asked the job to stop (its SIGTERM): the checkpoint at the next step
+    boundary is committed and the run ends without a restart (``elastic_ddp.notice``)."""
+
+
 class ElasticEvents(UserCallback):
-    """Records failures and stops the job on deterministic errors (raising from a
-    callback makes Ray Train fail the run without retrying: a ControllerError)."""
+    """Records failures and preemptions, and stops the job on deterministic errors and on
+    the driver's stop (raising from a callback makes Ray Train fail the run without
+    retrying: a ControllerError). ``preemption``: notices are checkpointed and counted as
+    preemptions (``compat.versions.preemption_supported``)."""
 
     def __init__(self, tracker, run_name: Optional[str] = None, storage: Optional[str] = None,
-                 collective_timeout_s: Optional[float] = None):
+                 collective_timeout_s: Optional[float] = None, preemption: bool = False):
         self.tracker = tracker
+        self.preemption = preemption
         self.run_name, self.storage = run_name, storage
         self.collective_timeout_s = collective_timeout_s
         # rank -> {node_id, node_ip, pid} of the running worker group (ControllerEvents).
@@ -81,6 +91,14 @@ class ElasticEvents(UserCallback):
         (``failures.signature``: kind, phase, step, error without addresses/ports/pids)
         as the previous attempt's."""
         pending, self._pending = self._pending, {}
+        if self.preemption and self._preempted(decision, pending):
+            return
+        if "stop" in notice.noted():
+            self.record({"type": "failure", "t": time.time(), "decision": "STOP (requested)",
+                         "cause": "worker group failure after the driver's stop request",
+                         "failed_ranks": sorted(pending)})
+            self.flush()
+            raise StopRequested("stopped on request (the driver's SIGTERM); the newest checkpoint is kept")
         failures = classify(pending, self._positions(pending), self.workers)
         cause = primary(failures)
         # A collective that timed out: the cause is who did not arrive, not who waited.
@@ -115,6 +133,49 @@ class ElasticEvents(UserCallback):
             self.record(None)
             self.flush()
             raise DeterministicTrainingError(stop)
+
+    def _preempted(self, decision, pending: Dict[int, Exception]) -> bool:
+        """Record a ``preemption`` event when Ray Train's failure policy counted this
+        failure as one (``compat.ray_train.take_preemption``): a checkpoint committed at a
+        notice, or a drained node lost before one; the driver's stop then ends the run.
+        False: not a preemption."""
+        pre = take_preemption()
+        if pre is None:
+            return False
+        notices = [p for p in map(notice.preempted_in, pre["failures"]) if p is not None]
+        first = min(notices, key=lambda p: p.noticed_t) if notices else None
+        ranks = sorted({r for p in notices for r in p.ranks})
+        ip_of = {m.get("node_id"): m.get("node_ip") for m in self.workers.values()}
+        node_ids = sorted(set(pre["nodes"]) | ({self.workers.get(r, {}).get("node_id") for r in ranks} - {None}))
+        nodes = sorted({str(ip_of.get(n) or n) for n in node_ids})
+        deadline = pre["deadline_t"] or (first.deadline_t if first is not None else None)
+        event: Dict[str, Any] = {
+            "type": "preemption", "t": time.time(), "nodes": nodes, "node_ids": node_ids,
+            "deadline_t": deadline,
+            "decision": getattr(decision, "value", str(decision)), "failed_ranks": sorted(pending),
+            "world_size_before": self._last_world_size, "last_checkpoint_step": self._stored_step()}
+        if first is not None:
+            event.update(first.as_event())
+            event["noticed_ranks"] = ranks
+            lead = f", {first.deadline_t - first.noticed_t:.1f} s before its deadline" if first.deadline_t else ""
+            event["cause"] = (f"{first.source} notice (ranks {ranks}, nodes {', '.join(nodes) or '?'}){lead}: "
+                              f"checkpoint of step {first.step} committed "
+                              f"{first.committed_t - first.noticed_t:.1f} s after it")
+        else:
+            event.update({"source": "drain", "notice_lead_s": None, "fell_back": True})
+            event["cause"] = (f"node(s) {', '.join(nodes) or '?'} preempted before a checkpoint at the "
+                              f"notice was committed (too little notice): resuming from the newest "
+                              f"checkpoint, step {event['last_checkpoint_step']}")
+        if first is not None:  # the attempt's last step: the checkpoint's (recomputed: 0)
+            event["last_step_seen"] = first.step
+        self.record(event)
+        stop = "stop" in notice.noted() or (first is not None and first.source == "stop")
+        if stop:
+            event["decision"] = "STOP (requested)"
+            self.record(None)
+            self.flush()
+            raise StopRequested(f"stopped on request (the driver's SIGTERM): {event['cause']}")
+        return True
 
     def _stored_step(self) -> int:
         """The newest complete checkpoint in storage: the one the restart resumes from
@@ -161,7 +222,7 @@ class ElasticEvents(UserCallback):
     @property
     def open_failure(self) -> Optional[Dict[str, Any]]:
         """The latest failure no group has reported after (None: all settled)."""
-        return next((e for e in reversed(self._unsettled) if e["type"] == "failure"), None)
+        return next((e for e in reversed(self._unsettled) if e["type"] in ("failure", "preemption")), None)
 
     # -- shared ----------------------------------------------------------------------
     def mark(self, what: str, **extra: Any) -> None:
@@ -175,7 +236,7 @@ class ElasticEvents(UserCallback):
         if event is not None:
             event["index"] = len(self.events)
             self.events.append(event)
-            if event["type"] in ("failure", "resize"):
+            if event["type"] in ("failure", "resize", "preemption"):
                 self._unsettled.append(event)
             self.tracker.event.remote(dict(event))
         else:
@@ -206,6 +267,8 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_start(self, train_run_context) -> None:
         retry_worker_deaths_at_start()
+        if self.sink.preemption:
+            count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None)
         self.sink.mark("controller_started")
 
     def before_worker_group_start(self, worker_group_context) -> None:
@@ -220,6 +283,8 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
         except Exception:  # noqa: BLE001 - bookkeeping only
             extra = {}
         self.sink.mark("worker_group_started", **extra)
+        if "stop" in notice.noted():  # the driver's stop came while no group ran
+            tell_workers(worker_group, notice.request_stop)
         try:
             workers = worker_group.get_workers()
             self.sink.workers = {

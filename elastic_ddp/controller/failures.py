@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from elastic_ddp.causes import SHAPE_OR_DTYPE, first_line, says_so, storage_problem
+from elastic_ddp.notice import preempted_in
 from elastic_ddp.positions import ANSI_ESCAPE, FATAL_TYPES, RankError, is_fatal
 
 # Errors a rank gets because *another* rank failed: its peer vanished mid-collective.
@@ -311,6 +312,11 @@ def describe_training_error(exc: BaseException) -> str:
         nxt = getattr(e, "controller_failure", None) or e.__cause__
         e = nxt
     failures = getattr(exc, "worker_failures", None)
+    if failures and all(preempted_in(f) is not None for f in failures.values()):
+        return (f"{preempted_in(next(iter(failures.values())))}; the preemption budget "
+                "(scaling.max_preemptions) is spent")
+    if type(exc).__name__ == "PreemptionError":
+        return f"{str(exc).splitlines()[0]}; the preemption budget (scaling.max_preemptions) is spent"
     if failures:
         p = primary(classify(failures))
         if p is not None:

@@ -24,6 +24,8 @@ exit codes:
        run, no local Ray (on a running cluster the job's two actors are stopped);
        or no checkpoint of the run passes its checksums
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
+  143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
+       restart mode); running the same config again resumes it with no step recomputed
 """
 
 SET_RULES = """\
@@ -168,6 +170,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - map known input errors to exit 2
         from elastic_ddp.data.scan import DataError
+        from elastic_ddp.driver.stop import EXIT_STOPPED, JobStopped
+
+        if isinstance(e, JobStopped):
+            print(f"elastic-ddp: {e}", file=sys.stderr)
+            return EXIT_STOPPED
 
         if isinstance(e, DataError):
             print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)

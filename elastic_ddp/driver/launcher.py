@@ -21,15 +21,16 @@ from typing import Any, Callable, Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.background import Background
-from elastic_ddp.compat.versions import ray_plan, warn_skipped
+from elastic_ddp.compat.versions import preemption_notice_line, preemption_supported, ray_plan, warn_skipped
 from elastic_ddp.config import Config
 from elastic_ddp.driver.finish import finish_job as _finish
 from elastic_ddp.driver.lease import RunLease
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                           check_tracking_store, prepare, process_start_time,
-                                          tracking_uri_field, Prepared)
+                                          tracking_uri_field, job_spec)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
-from elastic_ddp.run_state import Diagnostics, JobSpec
+from elastic_ddp.driver.stop import JobStopped, SigtermStop  # noqa: F401 - JobStopped re-exported
+from elastic_ddp.run_state import Diagnostics
 
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
 
@@ -44,7 +45,6 @@ def _storage_path(cfg: Config) -> str:
 
     p = cfg.run.storage_path
     return p if is_uri(p) else local_path(p)
-
 
 
 def init_ray(cfg: Config) -> None:
@@ -151,11 +151,16 @@ def build_trainer(cfg: Config, job, tracker):
     # A frozen worker (alive, not polling) is declared dead after this (Ray's default
     # 600 s would leave a per-step job short of a replica for ten minutes).
     os.environ.setdefault("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "60")
-    # Ray Train's preemption watcher is one more actor process per worker-group start,
-    # competing for the CPUs the workers start on; it only serves
-    # ray.train.get_preemption_info(), which nothing here reads (a dead node is a worker
-    # failure either way). Set it to 1 to have it back.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # Ray Train's preemption watcher (one more actor process per worker-group start)
+    # tells the workers of a node drain, polling the GCS every second: a notice becomes a
+    # checkpoint (worker.notice). Off where notices are handled as crashes.
+    preempt = preemption_supported(plan) and s.preemption_checkpoint and s.fault_tolerance == "restart"
+    if job is not None:  # the workers' JobSpec (None: a trainer built only to be inspected)
+        job.preemption = preempt
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1" if preempt else "0")
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
+    if s.preemption_checkpoint and s.fault_tolerance == "restart" and preemption_notice_line(plan):
+        print(preemption_notice_line(plan), flush=True)
     use_gpu = s.use_gpu if s.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) > 0
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     # NCCL on GPUs, gloo on CPUs; the timeout bounds how long a rank waits in a
@@ -178,7 +183,7 @@ def build_trainer(cfg: Config, job, tracker):
         torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE), backend=torch_config.backend,
                                      timeout_s=s.collective_timeout_s)
     sink = ElasticEvents(tracker, run_name=cfg.run.name, storage=_storage_path(cfg),
-                         collective_timeout_s=s.collective_timeout_s)
+                         collective_timeout_s=s.collective_timeout_s, preemption=preempt)
     callbacks = [sink]
     if plan.applies("controller_events"):
         callbacks.append(ControllerEvents(sink))
@@ -205,9 +210,12 @@ def build_trainer(cfg: Config, job, tracker):
             # function ran: compat.ray_train.retry_worker_deaths_at_start) are retried too, but not
             # forever: Ray's default is unbounded, and a death that repeats at start-up
             # (out of memory on import) would loop.
+            # Preemptions have their own budget where Ray Train counts them (2.60).
             failure_config=FailureConfig(
                 max_failures=s.max_failures,
-                controller_failure_limit=-1 if s.max_failures == -1 else max(10, 3 * s.max_failures)),
+                controller_failure_limit=-1 if s.max_failures == -1 else max(10, 3 * s.max_failures),
+                **({"max_preemption_failures": s.max_preemptions}
+                   if "max_preemption_failures" in FailureConfig.__dataclass_fields__ else {})),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             callbacks=callbacks,
         ),
@@ -215,17 +223,6 @@ def build_trainer(cfg: Config, job, tracker):
         # (elastic_ddp.data.ingest): no dataset is split by Ray Train.
     )
 
-
-
-def job_spec(cfg: Config, prep: Prepared, tracker, t0: float, storage: str,
-             diagnostics: Optional[Diagnostics] = None) -> JobSpec:
-    """What every worker receives (``worker.entry.load_job``): ``cfg`` itself, as the driver
-    validated it (the workers use it as it is), the task, both scans and the dry run's
-    sample rows from ``prep``, the tracker actor, the job's start ``t0`` (seconds since the
-    epoch), the Ray storage root and the ``diagnostics``."""
-    return JobSpec(config=cfg, task=prep.task, train=prep.train_info, val=prep.val_info,
-                   tracker=tracker, t0=t0, sample=prep.sample, storage=storage,
-                   diagnostics=diagnostics or Diagnostics())
 
 
 def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional[str] = None,
@@ -249,6 +246,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         DataError: the Parquet data fails the scan (nothing is left running, no run).
         TrainingError: training failed beyond its restart budget or deterministically;
             the MLflow run is closed as FAILED.
+        JobStopped: SIGTERM stopped the job at a committed checkpoint (run KILLED).
     """
     # First, before torch: the MLflow helper imports MLflow on another core while this
     # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).
@@ -313,6 +311,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
             lease.release()
     run_id, resumed = opened["run_id"], opened["resumed"]
     cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
+    stop = None
     try:
         tracker.bind.remote(run_id, **opened["attempts"])
         from elastic_ddp.batching import run_length
@@ -326,9 +325,10 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         if host is not None:
             trainer.controller_host = host
         marks["fit_called"] = time.time()
+        stop = SigtermStop(host, enabled=job.preemption)  # SIGTERM: a checkpoint, then exit 143
         try:
             # Without progress lines it still prints the tracker's warnings (data wait).
-            with ProgressDisplay(tracker, total, show=progress):
+            with ProgressDisplay(tracker, total, show=progress), stop:
                 result = trainer.fit()
         except BaseException:
             _after_failed_fit(tracker)
@@ -338,6 +338,11 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
                        prep.sample, train_info.num_rows, storage, model=prep.dry_run.model)
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.controller.failures import describe_training_error
+
+        if stop is not None and stop.stopped(e):
+            _close_failed(uri, run_id, tracker, "stopped on SIGTERM at a checkpoint", "KILLED", opener)
+            raise JobStopped(f"stopped on SIGTERM at a checkpoint (MLflow run {run_id} KILLED); "
+                             "run the same command to resume") from None
 
         msg = describe_training_error(e)
         _close_failed(uri, run_id, tracker, msg, "FAILED", opener)

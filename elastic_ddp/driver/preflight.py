@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from elastic_ddp.config import Config
 
 if TYPE_CHECKING:
+    from elastic_ddp.run_state import Diagnostics, JobSpec
     from elastic_ddp.tasks.loading import DryRun
 
 
@@ -206,3 +207,16 @@ def report_skipped(train_info, val_info) -> dict[str, list[str]]:
                   f"{len(info.skipped)} entr{'y' if len(info.skipped) == 1 else 'ies'} not read:\n"
                   f"{shown}{more}", flush=True)
     return out
+
+
+def job_spec(cfg: Config, prep: "Prepared", tracker, t0: float, storage: str,
+             diagnostics: Optional[Diagnostics] = None) -> JobSpec:
+    """What every worker receives (``worker.entry.load_job``): ``cfg`` itself, as the driver
+    validated it (the workers use it as it is), the task, both scans and the dry run's
+    sample rows from ``prep``, the tracker actor, the job's start ``t0`` (seconds since the
+    epoch), the Ray storage root and the ``diagnostics``."""
+    from elastic_ddp.run_state import Diagnostics, JobSpec
+
+    return JobSpec(config=cfg, task=prep.task, train=prep.train_info, val=prep.val_info,
+                   tracker=tracker, t0=t0, sample=prep.sample, storage=storage,
+                   diagnostics=diagnostics or Diagnostics())

@@ -39,6 +39,7 @@ def train_func(loop_config: dict) -> None:
     import ray.train.torch
     import torch
 
+    from elastic_ddp.notice import Preempted
     from elastic_ddp.positions import located
     from elastic_ddp.worker.trainer import Trainer
 
@@ -53,6 +54,11 @@ def train_func(loop_config: dict) -> None:
         trainer.restore(ray.train.get_checkpoint())
         trainer.fit()
         trainer.finish()
+    except Preempted:
+        # Not an error: the checkpoint at a notice is committed (elastic_ddp.notice).
+        if trainer is not None:
+            trainer.position.close()
+        raise
     except Exception as e:
         # Every error leaves this rank with where it happened (step, epoch, phase) and
         # whether a restart can fix it, for the controller (elastic_ddp.controller.events).

@@ -26,7 +26,7 @@ from elastic_ddp.compat.torch_nn import BatchNormBase
 from elastic_ddp.batching import lr_at, run_length, step_rows
 from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.positions import Position
-from elastic_ddp.worker import fault_tolerance
+from elastic_ddp.worker import fault_tolerance, notice as notices
 from elastic_ddp.worker.evaluation import evaluate
 from elastic_ddp.worker.faults import Fault
 from elastic_ddp.ledger import LedgerWriter
@@ -89,6 +89,7 @@ class Trainer:
                                       rank, world_size,
                                       collective=self.comm_size > 1, log=self.log,
                                       tracker=self.tracker, strategy_name=cfg.parallel.strategy)
+        self.listener = notices.build(self)  # a notice -> a checkpoint here (None: a crash)
 
     # ---------------------------------------------------------------- checkpoint state
     def run_state(self) -> dict[str, Any]:
@@ -211,6 +212,8 @@ class Trainer:
                     first = False
                 self.maybe_log()
                 self.ckpt.poll()  # an asynchronous checkpoint done on every rank: reported
+                if self.listener is not None and not self.done and (agreed := self.listener.agreed()):
+                    self.listener.checkpoint_and_stop(agreed)  # raises notice.Preempted
                 if c.checksum_every_steps and p.step % c.checksum_every_steps == 0:
                     self.strategy.check_params_equal(p.step)
                 if not self.done and p.step % c.checkpoint_every_steps == 0 and p.cursor < self.n_train:

@@ -1,0 +1,89 @@
+"""SIGTERM to the driver (``elastic-ddp train`` as a Ray job being stopped, a CI runner
+cancelled, a pod deleted): the job commits a checkpoint at the next step boundary and
+ends; the driver exits with :data:`EXIT_STOPPED`, and the same command resumes.
+
+    with SigtermStop(host) as stop:      # host: the controller host (compat.ray_trainer)
+        result = trainer.fit()
+    ...
+    if stop.stopped(error): ...          # raise JobStopped
+
+Where the Ray release has no preemption support (``compat.versions.preemption_supported``)
+or the controller host is not used, nothing is installed: SIGTERM ends the driver as it
+would without elastic-ddp, and the job resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Optional
+
+#: The exit code of a job stopped by SIGTERM at a checkpoint (128 + SIGTERM, as a shell
+#: reports a process ended by that signal).
+EXIT_STOPPED = 143
+
+
+class JobStopped(Exception):
+    """The job stopped on SIGTERM at a committed checkpoint; its MLflow run is KILLED
+    and running the same command resumes it."""
+
+
+class SigtermStop:
+    """Within the block, the first SIGTERM asks the job to stop at the next step
+    boundary (``host.request_stop``: the controller tells every worker); a second one
+    interrupts the driver as Ctrl-C does (the run is aborted, exit 130). ``enabled``:
+    False installs nothing. Only the main thread may install a handler; elsewhere
+    (a job run from a thread) nothing is installed either."""
+
+    def __init__(self, host, enabled: bool = True):
+        self.host = host
+        self.enabled = enabled and host is not None
+        self.requested: Optional[float] = None
+        self._before = None
+        self._installed = False
+
+    def __enter__(self) -> "SigtermStop":
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._before if self._before is not None else signal.SIG_DFL)
+            self._installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = time.time()
+        # Not from inside the handler: it may run in the middle of a Ray call of this thread.
+        threading.Thread(target=self._ask, name="elastic-ddp-stop", daemon=True).start()
+
+    def _ask(self) -> None:
+        import sys
+
+        print("elastic-ddp: SIGTERM: committing a checkpoint at the next step boundary, then "
+              "stopping (a second SIGTERM stops at once)", file=sys.stderr, flush=True)
+        from elastic_ddp.notice import request_stop
+
+        try:
+            self.host.request_stop.remote(request_stop)
+        except Exception as e:  # noqa: BLE001 - the job then runs on; a second SIGTERM ends it
+            print(f"elastic-ddp: warning: the stop request did not reach the controller "
+                  f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+
+    def stopped(self, error: BaseException) -> bool:
+        """Whether ``error`` (what ``fit`` raised) is the job ending on this stop: the
+        controller's ``StopRequested`` (``controller.events``), as the run's error."""
+        if self.requested is None:
+            return False
+        seen = set()
+        e: Optional[BaseException] = error
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
+            if type(e).__name__ == "StopRequested":
+                return True
+            e = getattr(e, "controller_failure", None) or e.__cause__
+        return "StopRequested" in str(error)

@@ -1,0 +1,283 @@
+"""A notice becomes a checkpoint, end to end, on a real multi-node local Ray cluster:
+a node drained with a 20 s deadline (Ray's own ``ray drain-node --reason
+DRAIN_NODE_REASON_PREEMPTION``, what the autoscaler and KubeRay call), SIGTERM to one
+worker process, and SIGTERM to the ``elastic-ddp train`` driver process, each mid-epoch.
+
+One ``ray.cluster_utils.Cluster`` per module: a head (1 CPU) and three 2-CPU worker
+nodes; a worker asks for 2 CPUs, so a node holds one worker and the 2-worker job has a
+spare node to restart on after a drain. Every job writes the sample ledger; each must
+finish with 0 samples lost or repeated, its preemption in the recovery table with 0 steps
+recomputed, ``scaling.max_failures: 0`` (a preemption does not spend it), and the
+uninterrupted job's final model (``baseline``) to float tolerance.
+
+Slow tier (``-m slow``): each job pays Ray Train's start-up twice on this cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import _deep_update, digits_config, mlflow_runs
+from elastic_ddp.checkpoint.export import model_state
+from elastic_ddp.driver.launcher import train
+from elastic_ddp.ledger import audit, format_audit
+from elastic_ddp.run_state import Diagnostics
+from test_elastic import _max_step, _train_ids, _wait, add_node
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 2
+STEPS = 23 * EPOCHS  # ceil(1437 / 64) a epoch
+# Slower steps (sleep only: the arithmetic is unchanged), so that the notice lands
+# mid-epoch: the watcher polls the GCS every second.
+SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.15}
+
+
+def _raw(data: Path, tmp: Path, name: str) -> dict:
+    return digits_config(data, tmp, {
+        "model": {"kwargs": {"hidden": 32}},
+        "batch": {"global_batch_size": 64, "micro_batch_size": 32, "policy": "uneven"},
+        # No periodic checkpoint inside an epoch: without the one at the notice, a
+        # preemption mid-epoch would recompute every step since the epoch's start.
+        "train": {"epochs": EPOCHS, "checkpoint_every_steps": 1000, "log_every_steps": 2,
+                  "keep_checkpoints": 3},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 2, "torch_threads": 1,
+                    "max_failures": 0, "use_gpu": False, "collective_timeout_s": 30},
+        "run": {"name": name},
+    })
+
+
+def _job(data: Path, tmp: Path, name: str):
+    from elastic_ddp.config import Config
+
+    return Config.from_dict(_raw(data, tmp, name))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster()
+    try:
+        add_node(c, num_cpus=1, include_dashboard=False)  # the head
+        for _ in range(3):
+            add_node(c, num_cpus=2)
+        c.wait_for_nodes()
+    except BaseException:
+        c.shutdown()
+        raise
+    ray.init(address=c.address, logging_level="WARNING")
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from elastic_ddp.data.prepare import prepare_digits
+
+    out = tmp_path_factory.mktemp("digits-preempt")
+    prepare_digits(out, num_files=1, val_fraction=0.2, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster, data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("baseline")
+    s = train(_job(data, tmp, "baseline"), diagnostics=Diagnostics(ledger_dir=str(tmp / "ledger")),
+              progress=False)
+    assert s.restarts == 0 and s.steps == STEPS
+    return s
+
+
+def _workers() -> list[dict]:
+    """This cluster's live Ray Train workers: pid and node id (GCS actor table)."""
+    import ray._private.state as state
+
+    out = []
+    for info in state.actors(actor_state_name="ALIVE").values():
+        if info["ActorClassName"] == "RayTrainWorker" and info["Pid"]:
+            out.append({"pid": int(info["Pid"]), "node_id": info["Address"]["NodeID"]})
+    return out
+
+
+def _check(summary, baseline, ledger: Path, data: Path, source: str) -> dict:
+    """The job finished exactly: the ledger clean, one preemption of ``source`` with 0
+    steps recomputed (in the summary and the MLflow run's recovery table), the restart
+    resumed from the checkpoint at the notice, the baseline's final model."""
+    report = audit(ledger, _train_ids(data), EPOCHS)
+    print(format_audit(report))
+    for ep, e in report["epochs"].items():
+        assert (e["repeated"], e["lost"], e["unknown"]) == (0, 0, 0), (ep, e)
+    assert report["ok"] and summary.steps == STEPS
+    (ev,) = [e for e in summary.events if e["type"] == "preemption"]
+    print(json.dumps(ev, indent=1, default=str))
+    assert not [e for e in summary.events if e["type"] == "failure"], summary.events
+    assert ev["source"] == source and ev["decision"] == "RETRY", ev
+    assert ev["steps_recomputed"] == 0 and ev["resumed_at_step"] == ev["checkpoint_step"], ev
+    assert 0 < ev["checkpoint_step"] < 23, ev  # mid-epoch 0
+    attempts = report["attempts"]
+    assert [a["resumed_from"] for a in attempts] == [0, ev["checkpoint_step"]], attempts
+    assert attempts[0]["recomputed_steps"] == 0, attempts
+    from mlflow.tracking import MlflowClient
+
+    with tempfile.TemporaryDirectory() as d:
+        rows = json.loads(Path(MlflowClient(summary.tracking_uri).download_artifacts(
+            summary.run_id, "events/recovery.json", d)).read_text())
+    rows = rows if isinstance(rows, list) else [dict(zip(rows["columns"], r)) for r in rows["data"]]
+    assert [(r["type"], r["steps_recomputed"]) for r in rows] == [("preemption", 0)], rows
+    got, ref = model_state(summary.checkpoint_path), model_state(baseline.checkpoint_path)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+    return ev
+
+
+def _in_thread(fn):
+    result: dict = {}
+
+    def run():
+        try:
+            result["summary"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            result["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, result
+
+
+def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, data, baseline, tmp_path):
+    """The node of one worker is drained with a 20 s deadline (and removed when it
+    passes, as a cloud would): every rank learns it at a step boundary, the checkpoint
+    there is committed, and the job restarts on the spare node from it."""
+    ledger = tmp_path / "ledger"
+    cfg = _job(data, tmp_path, "drained")
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+                                          progress=False))
+    _wait(lambda: not th.is_alive() or _max_step(ledger) >= 5, 300)
+    assert th.is_alive(), result
+    node_id = sorted(w["node_id"] for w in _workers())[0]
+    t_drain = time.time()
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                          "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                          "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "20"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # The reclaim: the node goes when its deadline passes.
+    _wait(lambda: time.time() > t_drain + 20, 60)
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    cluster.remove_node(node)
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    ev = _check(result["summary"], baseline, ledger, data, "drain")
+    assert ev["notice_lead_s"] is not None and 0 < ev["notice_lead_s"] <= 20, ev
+    assert ev["node_ids"] == [node_id], ev
+    assert ev["t"] < t_drain + 20, ev  # committed before the deadline
+    add_node(cluster, num_cpus=2)  # the module's next jobs keep their spare node
+
+
+def test_sigterm_to_one_worker_is_checkpointed_before_it_exits(cluster, data, baseline, tmp_path):
+    """One worker process gets SIGTERM (a Kubernetes eviction): it lives until the
+    checkpoint at the next boundaries is committed, then the job restarts from it."""
+    ledger = tmp_path / "ledger"
+    cfg = _job(data, tmp_path, "sigterm")
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+                                          progress=False))
+    _wait(lambda: not th.is_alive() or _max_step(ledger) >= 5, 300)
+    assert th.is_alive(), result
+    pid = sorted(w["pid"] for w in _workers())[-1]
+    os.kill(pid, signal.SIGTERM)
+    t_term = time.time()
+    gone = None
+    while gone is None and time.time() < t_term + 120:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            gone = time.time()
+        time.sleep(0.05)
+    assert gone is not None, "the SIGTERMed worker never exited"
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    ev = _check(result["summary"], baseline, ledger, data, "sigterm")
+    # It stayed alive until the checkpoint at the notice was complete on storage.
+    manifest = Path(cfg.run.storage_path) / "sigterm" / f"checkpoint_step{ev['checkpoint_step']:08d}" / "manifest.json"
+    assert manifest.is_file() and manifest.stat().st_mtime <= gone, (manifest, gone)
+    assert ev["notice_lead_s"] is None and len(ev["noticed_ranks"]) == 1, ev
+
+
+DRIVER = textwrap.dedent("""
+    import functools, sys
+    from elastic_ddp.driver import launcher
+    from elastic_ddp.run_state import Diagnostics
+
+    # The CLI as it is, with the sample ledger of the tests (a production job has none).
+    launcher.train = functools.partial(launcher.train, diagnostics=Diagnostics(
+        ledger_dir=sys.argv[2], fault={"rank": -1, "at_step": 0, "where": "none", "step_s": 0.15}))
+    from elastic_ddp.driver.cli import main
+    sys.exit(main(["train", sys.argv[1], "--no-progress"]))
+""")
+
+
+def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resumes(
+        cluster, data, baseline, tmp_path):
+    """SIGTERM to ``elastic-ddp train`` (a Ray job being stopped): exit 143 after the
+    checkpoint at the next step boundaries, the MLflow run KILLED; the same command then
+    resumes it in the same run with no step recomputed and finishes exactly."""
+    ledger = tmp_path / "ledger"
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text(yaml.safe_dump(_raw(data, tmp_path, "driver")))
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, str(script), str(cfg_file), str(ledger)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: p.poll() is not None or _max_step(ledger) >= 5, 300)
+    assert p.poll() is None, p.communicate()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    print(out[-3000:], err[-3000:])
+    assert p.returncode == 143, (p.returncode, err[-3000:])
+    assert "stopped on SIGTERM at a checkpoint" in err and "run the same command to resume" in err, err
+    (run,) = mlflow_runs(tmp_path)
+    assert run.info.status == "KILLED"
+    stopped_at = _max_step(ledger)
+    assert 0 < stopped_at < 23, stopped_at
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    print(again.stdout[-3000:], again.stderr[-3000:])
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run2,) = mlflow_runs(tmp_path)
+    assert run2.info.run_id == run.info.run_id and run2.info.status == "FINISHED"
+    report = audit(ledger, _train_ids(data), EPOCHS)
+    print(format_audit(report))
+    assert report["ok"] and all((e["repeated"], e["lost"]) == (0, 0) for e in report["epochs"].values())
+    attempts = report["attempts"]
+    assert [a["resumed_from"] for a in attempts] == [0, stopped_at], attempts
+    assert attempts[0]["recomputed_steps"] == 0, attempts
+    ckpts = sorted((tmp_path / "ray_results" / "driver").glob("checkpoint_step*"))
+    got, ref = model_state(ckpts[-1]), model_state(baseline.checkpoint_path)
+    for k in ref:
+        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k

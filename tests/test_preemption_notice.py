@@ -1,0 +1,264 @@
+"""A notice (a worker's SIGTERM, the driver's stop, a node drain) without a Ray cluster:
+real processes and real signals, two real gloo ranks agreeing at a step boundary, Ray
+Train's own failure policy deciding which budget a committed notice spends, and the
+controller's event log fed with Ray Train's own decision objects. The jobs that drain a
+node, SIGTERM a worker and SIGTERM the driver are in tests/test_preemption_e2e.py."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import InProcess
+from elastic_ddp import notice
+from elastic_ddp.notice import Preempted, preempted_in
+
+
+@pytest.fixture(autouse=True)
+def _clean_notices():
+    notice.clear()
+    yield
+    notice.clear()
+
+
+def _preempted(rank: int = 1, source: str = "sigterm", step: int = 7) -> Preempted:
+    t = time.time()
+    return Preempted(source, step, t - 2.0, t + 18.0 if source == "drain" else None, t, (rank,), rank)
+
+
+def test_a_notice_survives_pickling_and_is_found_inside_ray_trains_wrapper():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    p = _preempted(source="drain")
+    back = pickle.loads(pickle.dumps(UserExceptionWithTraceback(p, "Traceback ...")))
+    found = preempted_in(back)
+    assert found is not None and (found.source, found.step, found.ranks) == ("drain", 7, (1,))
+    ev = found.as_event()
+    assert ev["notice_lead_s"] == pytest.approx(20.0, abs=0.01) and ev["checkpoint_step"] == 7
+    assert preempted_in(RuntimeError("Connection closed by peer")) is None
+    with pytest.raises(ValueError, match="unknown notice"):
+        notice.note("reboot")
+
+
+# -------------------------------------------------- two gloo ranks agree on a SIGTERM
+RANK = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from types import SimpleNamespace
+    import torch, torch.distributed as dist
+    from elastic_ddp import notice
+    from elastic_ddp.worker.notice import NoticeListener, install_sigterm_handler
+
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    install_sigterm_handler()             # this process's main thread, as in a Ray worker
+    listener = NoticeListener(SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu")),
+                              install=False)
+    a, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def steps(n, listen):                 # a step: compute, then its gradient all-reduce
+        out, t = [], time.perf_counter()
+        for _ in range(n):
+            for _ in range(8):
+                a @ w
+            dist.all_reduce(w.sum().reshape(1))
+            if listen:
+                out.append(listener.agreed())
+        return out, (time.perf_counter() - t) / n
+
+    _, off = steps(50, False)
+    quiet, on = steps(50, True)           # 50 step boundaries, no notice
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)             # noted, not fatal
+        time.sleep(0.2)
+    dist.barrier()
+    first = listener.agreed()             # sends this boundary's notices
+    seen = listener.agreed()              # the next boundary reads them, on both ranks
+    print("RESULT " + json.dumps({"quiet": [q for q in quiet if q], "first": first, "seen": seen,
+                                  "step_off_s": off, "step_on_s": on}), flush=True)
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)             # a second SIGTERM ends it
+        time.sleep(30)
+""")
+
+
+def test_two_gloo_ranks_agree_at_the_next_boundary_on_one_ranks_sigterm_which_it_survives(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    init = f"file://{tmp_path / 'store'}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), init], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    import json
+
+    results = []
+    for (out, err), p in zip(outs, procs):
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        assert line is not None, (p.returncode, out[-2000:], err[-3000:])
+        results.append(json.loads(line[len("RESULT "):]))
+    for r in results:
+        assert r["quiet"] == [] and r["first"] is None, r
+        assert r["seen"]["sources"] == ["sigterm"] and r["seen"]["ranks"] == [1], r
+        assert r["seen"]["deadline_t"] is None and abs(r["seen"]["noticed_t"] - time.time()) < 120, r
+    # The first SIGTERM was only noted: rank 1 took part in the agreement after it; the
+    # second ended it as the handler before ours would (here: the default, SIGTERM).
+    assert procs[0].returncode == 0 and procs[1].returncode == -signal.SIGTERM, [p.returncode for p in procs]
+    off, on = (max(r[k] for r in results) for k in ("step_off_s", "step_on_s"))
+    print(f"a step of 8 256x256 matmuls + an all-reduce, 2 gloo ranks: {off * 1e3:.2f} ms; "
+          f"with the agreement: {on * 1e3:.2f} ms ({on / off:.1%})")
+
+
+# ------------------------------------------------------- Ray Train's failure policy
+def test_ray_trains_failure_policy_charges_a_committed_notice_to_the_preemption_budget():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+    from ray.train.v2.api.config import FailureConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from elastic_ddp.compat.ray_train import count_notices_as_preemptions, take_preemption
+
+    count_notices_as_preemptions(lambda e: preempted_in(e) is not None)
+    count_notices_as_preemptions(lambda e: preempted_in(e) is not None)  # idempotent
+    policy = DefaultFailurePolicy(FailureConfig(max_failures=0, max_preemption_failures=2))
+    notices = WorkerGroupError("notice", {r: UserExceptionWithTraceback(_preempted(r), "tb") for r in (0, 1)})
+    # max_failures=0 does not stop a preempted job; the preemption budget does.
+    assert [policy.make_decision(notices) for _ in range(3)] == [
+        FailureDecision.RETRY, FailureDecision.RETRY, FailureDecision.RAISE]
+    got = take_preemption()
+    assert got is not None and len(got["failures"]) == 2 and take_preemption() is None
+    # A real error next to a notice is a failure: max_failures=0 stops it.
+    mixed = WorkerGroupError("mixed", {0: UserExceptionWithTraceback(_preempted(0), "tb"),
+                                       1: UserExceptionWithTraceback(ValueError("bad row"), "tb")})
+    fresh = DefaultFailurePolicy(FailureConfig(max_failures=0, max_preemption_failures=-1))
+    assert fresh.make_decision(mixed) == FailureDecision.RAISE and take_preemption() is None
+
+    from elastic_ddp.controller.failures import describe_training_error
+
+    assert "preemption budget (scaling.max_preemptions) is spent" in describe_training_error(notices)
+
+
+# ------------------------------------------------------------- the controller's events
+@pytest.fixture()
+def sink(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.tracking import JobTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("events", artifact_location=str(tmp_path / "artifacts"))
+    run = client.create_run(exp)
+    tracker = JobTracker(uri, run.info.run_id)
+    events = ElasticEvents(InProcess(tracker), preemption=True)
+    events.workers = {0: {"node_id": "a" * 56, "node_ip": "10.0.0.1", "pid": 11},
+                      1: {"node_id": "b" * 56, "node_ip": "10.0.0.2", "pid": 12}}
+    return events, ControllerEvents(events), tracker
+
+
+def _decide(events, ctrl, errors: dict, decision):
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
+    from ray.train.v2.api.config import FailureConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from elastic_ddp.compat.ray_train import count_notices_as_preemptions
+
+    count_notices_as_preemptions(lambda e: preempted_in(e) is not None)
+    wrapped = {r: UserExceptionWithTraceback(e, "tb") for r, e in errors.items()}
+    got = DefaultFailurePolicy(FailureConfig(max_failures=0)).make_decision(WorkerGroupError("x", wrapped))
+    assert got == decision
+    events.after_exception(None, wrapped)
+    ctrl.before_controller_execute_failure_decision(got)
+
+
+def test_a_committed_notice_is_a_preemption_event_naming_node_lead_time_and_step(sink):
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+
+    events, ctrl, tracker = sink
+    events.after_report(None, [{"step": 4}] * 2, None)
+    _decide(events, ctrl, {0: _preempted(1, "drain"), 1: _preempted(1, "drain")}, FailureDecision.RETRY)
+    (ev,) = tracker.events
+    assert ev["type"] == "preemption" and ev["decision"] == "RETRY", ev
+    assert ev["source"] == "drain" and ev["nodes"] == ["10.0.0.2"] and ev["noticed_ranks"] == [1], ev
+    assert ev["notice_lead_s"] == pytest.approx(20.0, abs=0.01) and ev["checkpoint_step"] == 7, ev
+    assert ev["last_step_seen"] == 7 and "drain notice" in ev["cause"], ev
+    assert events.open_failure["type"] == "preemption"  # the restart's world sizes settle on it
+
+
+def test_the_drivers_stop_ends_the_run_instead_of_restarting(sink):
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+
+    from elastic_ddp.controller.events import StopRequested
+
+    events, ctrl, tracker = sink
+    notice.request_stop()  # what ControllerHost.request_stop runs in the controller's process
+    with pytest.raises(StopRequested, match="stopped on request"):
+        _decide(events, ctrl, {0: _preempted(0, "stop"), 1: _preempted(1, "stop")}, FailureDecision.RETRY)
+    (ev,) = tracker.events
+    assert ev["type"] == "preemption" and ev["decision"] == "STOP (requested)" and ev["source"] == "stop"
+
+
+# ----------------------------------------------------------------- the driver's SIGTERM
+class _Host:
+    def __init__(self):
+        self.asked = []
+
+    def request_stop(self, note):
+        self.asked.append(note)
+
+
+def test_the_drivers_sigterm_asks_the_controller_once_and_a_second_one_interrupts():
+    from elastic_ddp.controller.events import StopRequested
+    from elastic_ddp.driver.stop import EXIT_STOPPED, SigtermStop
+
+    host = _Host()
+    before = signal.getsignal(signal.SIGTERM)
+    stop = SigtermStop(InProcess(host))
+    with pytest.raises(KeyboardInterrupt):
+        with stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not host.asked and time.time() < deadline:
+                time.sleep(0.01)
+            assert host.asked == [notice.request_stop] and stop.requested is not None
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) == before  # put back
+    assert stop.stopped(RuntimeError("x") if False else _wrapped(StopRequested("stopped on request")))
+    assert not stop.stopped(RuntimeError("rank 1 died")) and EXIT_STOPPED == 143
+    assert not SigtermStop(None).enabled  # no controller host: SIGTERM as without elastic-ddp
+
+
+def _wrapped(inner: BaseException) -> BaseException:
+    outer = RuntimeError("Training failed due to controller error")
+    outer.controller_failure = inner
+    return outer
+
+
+def test_the_config_has_a_preemption_budget_and_a_switch():
+    from elastic_ddp.config import Config, ConfigError
+
+    s = Config.from_dict({"data": {"train_path": "x"}, "model": {"name": "mlp"}}).scaling
+    assert (s.max_preemptions, s.preemption_checkpoint, s.max_failures) == (-1, True, 3)
+    with pytest.raises(ConfigError, match="max_preemptions"):
+        Config.from_dict({"data": {"train_path": "x"}, "model": {"name": "mlp"}, "scaling": {"max_preemptions": -2}})
+
+
+def test_the_preemption_support_follows_the_ray_release():
+    from elastic_ddp.compat.versions import preemption_notice_line, preemption_supported, ray_plan
+
+    assert preemption_supported(ray_plan("2.60.0")) and preemption_notice_line(ray_plan("2.60.0")) is None
+    line = preemption_notice_line(ray_plan("2.59.0"))
+    assert not preemption_supported(ray_plan("2.59.0")) and "handled as a crash" in line
+    assert "warning" not in line  # not the untested-release warning (test_ray_versions)
