@@ -32,7 +32,8 @@ Loaders, each given ``--procs`` processes for the data path on one local Ray clu
   its per-rank Ray Data pipeline runs ``READ_TASKS`` (2) read+transform tasks at a time,
   so ``--procs`` must be 2 for a like budget. Step end times come from the sample ledger,
   whose audit says whether every row was used exactly once per epoch.
-* ``ray_data``: ``read_parquet -> map_batches(transform, concurrency=procs)`` and
+* ``ray_data``: ``read_parquet`` (one block per row group) ``-> map_batches(transform,
+  concurrency=procs)`` and
   ``iter_torch_batches(collate_fn=collate)`` in this process (no exactness: no resume, no
   fixed order).
 * ``dataloader``: the Parquet columns in memory, a map-style dataset of batches (transform
@@ -307,7 +308,10 @@ def run_ray_data(data: Path, task, workload: str, procs: int, batch: int, epochs
 
     from elastic_ddp import TransformContext
 
+    import pyarrow.parquet as pq
+
     cols = list(task.input_columns())
+    row_groups = sum(pq.ParquetFile(f).num_row_groups for f in sorted((data / "train").glob("*.parquet")))
 
     def gen():
         for epoch in range(epochs):
@@ -316,7 +320,10 @@ def run_ray_data(data: Path, task, workload: str, procs: int, batch: int, epochs
                                      TransformContext(0, epoch, "train", b["sample_id"]))
                 return {"sample_id": b["sample_id"], **out}
 
-            ds = ray.data.read_parquet(str(data / "train"), columns=["sample_id", *cols], shuffle="files") \
+            # One block per row group: with one per file (Ray Data's choice for a few
+            # small files) the map operator gets fewer inputs than its concurrency.
+            ds = ray.data.read_parquet(str(data / "train"), columns=["sample_id", *cols],
+                                       shuffle="files", override_num_blocks=row_groups) \
                 .map_batches(fn, batch_size=batch, batch_format="numpy", concurrency=procs)
             for b in ds.iter_torch_batches(batch_size=batch, collate_fn=task.collate):
                 yield epoch, b
