@@ -33,9 +33,9 @@ from elastic_ddp.tasks.transform import SEQ, TaskTransform, TransformError  # no
 READ_TASKS = 2
 # Parquet bytes per read task: a round is cut into tasks of about this size (at least
 # READ_TASKS of them, at most one per window), READ_TASKS in flight. A round cut into only
-# READ_TASKS long tasks decodes on READ_TASKS cores only until the first task ends: Ray
-# Data hands the output over in task order (preserve_order), so the later task stops once
-# its small output buffer is full and finishes the round alone. Short tasks keep every
+# READ_TASKS long tasks with large outputs (decoded images) decodes at less than one core's
+# rate: Ray Data hands the output over in task order (preserve_order) and a later task's
+# output stalls on its back-pressure until the earlier task ends. Short tasks keep every
 # slot busy to the round's last task; what it costs: Ray Data's per-task overhead (a few
 # ms) per task, and a row group cut between two windows of different tasks read twice.
 READ_TASK_BYTES = 8 * 2**20
