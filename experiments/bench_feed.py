@@ -1,43 +1,61 @@
-"""The reader's ceiling on an image workload: rows/s the elastic reader delivers to a step
-that does almost no work, against plain Ray Data and ``torch.utils.data.DataLoader`` over
-the same files with the same transform and the same number of data-path processes.
+"""The reader's ceiling: rows/s the elastic reader delivers to a step that does almost no
+work, against plain Ray Data and ``torch.utils.data.DataLoader`` over the same files with
+the same transform and collate and the same number of data-path processes, on two
+workloads (images and tokens), each printed as one table.
 
     .venv/bin/python experiments/bench_feed.py --out data/bench_feed --rows 4096 --procs 2
 
-Data (``prepare``, written under ``--out`` only, never committed): scikit-learn's two
-bundled photographs (``load_sample_images``, 427 x 640 RGB) cut into ``--rows`` square
-crops at random offsets and scales (side 45-100 % of the short edge), each resized to
-256 x 256 and JPEG-encoded (quality 90, ~20-30 kB); Parquet ``sample_id`` int64, ``jpeg``
-binary, 4 files, 128-row row groups.
+Workloads (``--workloads images,tokens``; data written under ``--out`` only, never
+committed):
 
-Transform (the same function in all three loaders): decode each JPEG (PIL), a random
-224 x 224 crop and a random horizontal flip drawn from ``TransformContext.rngs()``
-(``(seed, epoch, sample_id)`` alone, as the task protocol requires), collated to uint8
-``[B, 3, 224, 224]``. Per-row work is array slicing; no Python per-pixel work.
+* ``images``: scikit-learn's two bundled photographs (``load_sample_images``, 427 x 640
+  RGB) cut into ``--rows`` square crops at random offsets and scales (side 45-100 % of the
+  short edge), each resized to 256 x 256 and JPEG-encoded (quality 90, ~20-30 kB); Parquet
+  ``sample_id`` int64, ``jpeg`` binary, 4 files, 128-row row groups. Transform: decode each
+  JPEG (PIL), a random 224 x 224 crop and a random horizontal flip drawn from
+  ``TransformContext.rngs()`` (``(seed, epoch, sample_id)`` alone, as the task protocol
+  requires); collate: uint8 ``[B, 3, 224, 224]``. Per-row work is array slicing.
+* ``tokens``: this Python's standard-library source cut into documents of 64-2048 UTF-8
+  bytes (``experiments/examples/stdlib_lm/prepare.py``, ``--token-mib`` MiB of text, 256-row
+  row groups) and a 2,048-id byte-level BPE trained on them (``experiments/examples/hf_lm/
+  prepare.py``'s ``train_tokenizer``). Transform: ``tokenizers`` ``encode_batch`` (one
+  thread: ``TOKENIZERS_PARALLELISM=false``), each document ``int32 [n + 2]`` (BOS ... EOS,
+  cut at 514 ids); collate: the batch's documents packed end to end into int64
+  ``[R, 512]`` rows with a document index per token (``-1`` after the last), and ``lens``
+  int64 ``[B]``.
 
-Loaders, each given ``--procs`` processes for the data path on one local Ray cluster:
+Loaders, each given ``--procs`` processes for the data path on one local Ray cluster of
+``--procs + 1`` CPUs:
 
 * ``elastic``: ``elastic_ddp.train``, 1 worker, global batch ``--batch``, a model of one
-  weight (the step is a mean over the batch): its per-rank Ray Data pipeline runs
-  ``READ_TASKS`` (2) read+transform tasks at a time, so ``--procs`` must be 2 for a like
-  budget. Rows/s: rows of the steps after the first ``--warmup`` over the wall time
-  between their ends (the ledger's step end times; reads outside the step, logging and
-  the epochs' validation included); the ledger audit says whether every row was used
-  exactly once per epoch.
-* ``ray_data``: ``read_parquet -> map_batches(transform, concurrency=procs)`` and
-  ``iter_torch_batches`` in this process (no exactness: no resume, no fixed order).
-* ``dataloader``: the Parquet bytes in memory, a map-style dataset of batches,
-  ``DataLoader(num_workers=procs)``.
+  weight (the step is a mean over the batch), no validation split (the others have none);
+  its per-rank Ray Data pipeline runs ``READ_TASKS`` (2) read+transform tasks at a time,
+  so ``--procs`` must be 2 for a like budget. Step end times come from the sample ledger,
+  whose audit says whether every row was used exactly once per epoch.
+* ``ray_data``: ``read_parquet`` (one block per row group) ``-> map_batches(transform,
+  concurrency=procs)`` and
+  ``iter_torch_batches(collate_fn=collate)`` in this process (no exactness: no resume, no
+  fixed order).
+* ``dataloader``: the Parquet columns in memory, a map-style dataset of batches (transform
+  and collate in the workers), ``DataLoader(num_workers=procs)``.
 
-Steady rows/s for the last two: rows after the first ``--warmup`` batches over the time
-since. Figures on a shared machine are noisy: compare ratios within one run.
+Rows/s (steady): the rows of the epochs after the first over the wall time from the last
+batch of the first epoch to the last batch (``--epochs`` >= 2; everything in between
+counts: for the elastic reader the steps, its blocking reads, logging, the epoch-end
+checkpoints). ``first_s``: seconds from the loader's start to its first batch (Ray Train's
+start-up included for the elastic reader). The loaders run interleaved, ``--repeat``
+rounds; the table gives each loader's median and its ratio to the fastest median. Figures
+on a shared machine are noisy: compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +64,11 @@ from pathlib import Path
 import numpy as np
 
 SIZE, CROP = 256, 224
+EXAMPLES = Path(__file__).resolve().parent / "examples"
+LOADERS = ("elastic", "ray_data", "dataloader")
+# The column of a collated batch whose length is the batch's rows.
+COUNT = {"images": "image", "tokens": "lens"}
+TASK_CLASS = {"images": "Feed", "tokens": "Tokens"}
 
 
 def prepare(out: Path, rows: int, seed: int = 0) -> Path:
@@ -85,6 +108,25 @@ def prepare(out: Path, rows: int, seed: int = 0) -> Path:
     return out
 
 
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_prepare", EXAMPLES / name / "prepare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def prepare_tokens(out: Path, mib: float = 4.0, vocab_size: int = 2048) -> Path:
+    """``out/train``, ``out/val`` (``sample_id``, ``text``, ``source``) of stdlib documents
+    of 64-2048 bytes, ``mib`` MiB of text in all, and ``out/tokenizer.json``; returns ``out``."""
+    import pyarrow.parquet as pq
+
+    _example("stdlib_lm").prepare(out, doc_bytes=2048, min_bytes=64, max_bytes=int(mib * 2**20),
+                                  train_files=4, row_group_rows=256)
+    texts = pq.read_table(out / "train", columns=["text"])["text"].to_pylist()
+    _example("hf_lm").train_tokenizer(texts, vocab_size).save(str(out / "tokenizer.json"))
+    return out
+
+
 TASK = '''
 import io
 
@@ -94,6 +136,8 @@ import torch
 from elastic_ddp import Column, Task, TransformContext
 
 CROP = 224
+CTX = 512          # packed row length (tokens)
+MAX_IDS = CTX + 2  # a document is cut to this many ids (BOS and EOS kept)
 
 
 def decode_crop_flip(jpegs, ctx: TransformContext) -> np.ndarray:
@@ -112,6 +156,19 @@ def decode_crop_flip(jpegs, ctx: TransformContext) -> np.ndarray:
     return out
 
 
+def pack(seqs) -> dict:
+    """Documents (int [n_i] each) end to end in rows of CTX tokens: ``ids`` int64 [R, CTX]
+    (0 after the last), ``doc`` int64 [R, CTX] (the document of each token, -1 after the
+    last), ``lens`` int64 [B]."""
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.concatenate(list(seqs)) if len(seqs) else np.zeros(0, np.int64)
+    n = max(1, -(-len(flat) // CTX)) * CTX
+    ids, doc = np.zeros(n, np.int64), np.full(n, -1, np.int64)
+    ids[:len(flat)], doc[:len(flat)] = flat, np.repeat(np.arange(len(seqs)), lens)
+    return {"ids": torch.from_numpy(ids.reshape(-1, CTX)), "doc": torch.from_numpy(doc.reshape(-1, CTX)),
+            "lens": torch.from_numpy(lens)}
+
+
 class Feed(Task):
     columns = {"jpeg": Column.binary()}
 
@@ -128,12 +185,53 @@ class Feed(Task):
         # Almost no work: one channel mean per image through one weight.
         x = batch["image"][:, 0, ::56, ::56].float().mean(dim=(1, 2)).unsqueeze(1) / 255.0
         return model(x).squeeze(1) ** 2
+
+
+class Tokens(Task):
+    """Documents tokenized in the transform, packed in the collate."""
+
+    columns = {"text": Column.string()}
+
+    def __init__(self, tokenizer: str):
+        with open(tokenizer) as f:
+            self.tokenizer_json = f.read()
+        self._tok = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_tok": None}  # rebuilt from its JSON in each process
+
+    def tokenizer(self):
+        if self._tok is None:
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_str(self.tokenizer_json)
+            self._tok.enable_truncation(MAX_IDS)
+        return self._tok
+
+    def transform(self, batch, ctx):
+        encs = self.tokenizer().encode_batch([str(t) for t in batch["text"]])
+        ids = np.empty(len(encs), dtype=object)
+        for i, e in enumerate(encs):
+            ids[i] = np.asarray(e.ids, dtype=np.int32)
+        return {"ids": ids}
+
+    def collate(self, batch):
+        return pack(batch["ids"])
+
+    def build_model(self):
+        return torch.nn.Linear(1, 1)
+
+    def loss(self, model, batch):
+        # Almost no work: each document's mean id through one weight.
+        doc, ids = batch["doc"].reshape(-1), batch["ids"].reshape(-1).float()
+        keep = doc >= 0
+        s = torch.zeros(len(batch["lens"])).index_add_(0, doc[keep], ids[keep])
+        x = (s / batch["lens"].clamp_min(1) / 2048.0).unsqueeze(1)
+        return model(x).squeeze(1) ** 2
 '''
 
 
 def _task_module(tmp: Path):
-    import importlib.util
-
     path = tmp / "feed_task.py"
     path.write_text(TASK)
     spec = importlib.util.spec_from_file_location("feed_task", path)
@@ -142,86 +240,102 @@ def _task_module(tmp: Path):
     return mod, path
 
 
-def run_elastic(data: Path, tmp: Path, task_path: Path, batch: int, epochs: int, warmup: int) -> dict:
-    from mlflow.tracking import MlflowClient
+def task_kwargs(workload: str, data: Path) -> dict:
+    return {"tokenizer": str(data / "tokenizer.json")} if workload == "tokens" else {}
 
+
+def _steady(marks: list[tuple[float, int, int]]) -> dict:
+    """``marks``: (time s, epoch, rows) per batch in order. Rows of the epochs after the
+    first over the time from the first epoch's last batch to the last batch."""
+    first = [t for t, e, _ in marks if e == 0]
+    later = [(t, n) for t, e, n in marks if e > 0]
+    if not first or not later:
+        return {"rows_per_s": float("nan"), "batches": len(marks)}
+    dt = later[-1][0] - first[-1]
+    return {"rows_per_s": sum(n for _, n in later) / dt if dt > 0 else float("nan"),
+            "batches": len(marks)}
+
+
+def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: int,
+                epochs: int) -> dict:
     from elastic_ddp import Diagnostics, train
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.ledger import audit
 
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    run = tmp / f"elastic-{time.time_ns()}"
     cfg = Config.from_dict({
-        "seed": 0, "data": {"train_path": str(data / "train"), "val_path": str(data / "val"),
-                            "id_column": "sample_id"},
-        "task": {"path": f"{task_path}:Feed"},
+        "seed": 0, "data": {"train_path": str(data / "train"), "id_column": "sample_id"},
+        "task": {"path": f"{task_path}:{TASK_CLASS[workload]}", "kwargs": task_kwargs(workload, data)},
         "optim": {"name": "sgd", "lr": 0.001, "warmup_steps": 0},
         "batch": {"global_batch_size": batch, "micro_batch_size": batch},
-        "train": {"epochs": epochs, "log_every_steps": 4, "checkpoint_every_steps": 10_000},
+        "train": {"epochs": epochs, "log_every_steps": 16, "checkpoint_every_steps": 10_000},
         "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
-        "run": {"name": "bench-feed", "experiment_name": "bench-feed", "tracking_uri": uri,
-                "storage_path": str(tmp / "ray_results")}})
-    ledger = tmp / "ledger"
-    s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
-    # Step ends from the ledger: wall clock between steps, everything in between included
-    # (the reader's blocking reads outside the step, logging, the epoch's validation).
-    ends = []
+        "run": {"name": "bench-feed", "experiment_name": "bench-feed",
+                "tracking_uri": f"sqlite:///{run / 'mlflow.db'}", "storage_path": str(run / "ray_results")}})
+    ledger = run / "ledger"
+    t0 = time.time()
+    train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
+    marks = []
     for f in sorted(ledger.glob("attempt-*-rank0.jsonl")):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
             if "step" in rec and "t" in rec:
-                ends.append((rec["step"], rec["t"], len(rec["ids"])))
-    ends.sort()
-    tail = ends[warmup:]
-    rows = sum(n for _, _, n in tail[1:])
-    wait = [m.value for m in MlflowClient(uri).get_metric_history(s.run_id, "worker/data_wait_frac")]
+                marks.append((rec["step"], rec["t"], rec["epoch"], len(rec["ids"])))
+    marks.sort()
     rep = audit(ledger, read_sample_ids(data / "train"), epochs)
-    return {"rows_per_s": rows / max(1e-9, tail[-1][1] - tail[0][1]), "steps": len(ends),
-            "data_wait_frac": float(np.median(wait)) if wait else float("nan"),
+    return {**_steady([(t, e, n) for _, t, e, n in marks]), "first_s": marks[0][1] - t0,
             "ledger_ok": bool(rep["ok"])}
 
 
-def _timed(batches, warmup: int) -> dict:
-    """Steady rows/s over an iterator of dicts with "image" [B, ...]."""
-    rows, t_start, n = 0, None, 0
-    for b in batches:
-        n += 1
-        if n == warmup:
-            t_start = time.perf_counter()
-        elif n > warmup:
-            rows += len(b["image"])
-    dt = time.perf_counter() - t_start if t_start is not None else float("nan")
-    return {"rows_per_s": rows / dt if dt > 0 else float("nan"), "batches": n}
+def _timed(batches, key: str) -> dict:
+    """Steady rows/s (:func:`_steady`) over an iterator of (epoch, collated batch)."""
+    t0, marks = time.perf_counter(), []
+    for epoch, b in batches:
+        marks.append((time.perf_counter(), epoch, len(b[key])))
+    return {**_steady(marks), "first_s": marks[0][0] - t0 if marks else float("nan")}
 
 
-def run_ray_data(data: Path, mod, procs: int, batch: int, epochs: int, warmup: int) -> dict:
+def run_ray_data(data: Path, task, workload: str, procs: int, batch: int, epochs: int) -> dict:
     import logging
 
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = ctx.print_on_execution_start = False
+    ctx.execution_options.preserve_order = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
 
     from elastic_ddp import TransformContext
 
+    import pyarrow.parquet as pq
+
+    cols = list(task.input_columns())
+    row_groups = sum(pq.ParquetFile(f).num_row_groups for f in sorted((data / "train").glob("*.parquet")))
+
     def gen():
         for epoch in range(epochs):
             def fn(b, epoch=epoch):
-                ctx = TransformContext(0, epoch, "train", b["sample_id"])
-                return {"sample_id": b["sample_id"], "image": mod.decode_crop_flip(b["jpeg"], ctx)}
+                out = task.transform({c: b[c] for c in cols},
+                                     TransformContext(0, epoch, "train", b["sample_id"]))
+                return {"sample_id": b["sample_id"], **out}
 
-            ds = ray.data.read_parquet(str(data / "train"), shuffle="files") \
+            # One block per row group: with one per file (Ray Data's choice for a few
+            # small files) the map operator gets fewer inputs than its concurrency.
+            ds = ray.data.read_parquet(str(data / "train"), columns=["sample_id", *cols],
+                                       shuffle="files", override_num_blocks=row_groups) \
                 .map_batches(fn, batch_size=batch, batch_format="numpy", concurrency=procs)
-            yield from ds.iter_torch_batches(batch_size=batch)
-    return _timed(gen(), warmup)
+            for b in ds.iter_torch_batches(batch_size=batch, collate_fn=task.collate):
+                yield epoch, b
+    return _timed(gen(), COUNT[workload])
 
 
 class _Batches:
-    """Map-style dataset: item k is the k-th batch of an epoch's permutation, transformed."""
+    """Map-style dataset: item k is the k-th batch of an epoch's permutation, transformed
+    and collated."""
 
-    def __init__(self, ids: np.ndarray, jpegs: list, mod, batch: int, epochs: int):
-        self.ids, self.jpegs, self.mod, self.batch = ids, jpegs, mod, batch
+    def __init__(self, ids: np.ndarray, columns: dict, task, batch: int, epochs: int):
+        self.ids, self.columns, self.task = ids, columns, task
         self.plan = []
         for epoch in range(epochs):
             perm = np.random.default_rng(epoch).permutation(len(ids))
@@ -230,64 +344,100 @@ class _Batches:
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, k: int) -> dict:
-        import torch
-
+    def __getitem__(self, k: int):
         from elastic_ddp import TransformContext
 
         epoch, rows = self.plan[k]
         ctx = TransformContext(0, epoch, "train", self.ids[rows])
-        return {"image": torch.from_numpy(self.mod.decode_crop_flip([self.jpegs[i] for i in rows], ctx))}
+        out = self.task.transform({c: v[rows] for c, v in self.columns.items()}, ctx)
+        return epoch, self.task.collate(out)
 
 
-def run_dataloader(data: Path, mod, procs: int, batch: int, epochs: int, warmup: int) -> dict:
+def run_dataloader(data: Path, task, workload: str, procs: int, batch: int, epochs: int) -> dict:
     import pyarrow.parquet as pq
     from torch.utils.data import DataLoader
 
-    t = pq.read_table(data / "train")
-    ds = _Batches(t["sample_id"].to_numpy(), t["jpeg"].to_pylist(), mod, batch, epochs)
-    return _timed(DataLoader(ds, batch_size=None, num_workers=procs, prefetch_factor=2), warmup)
+    cols = list(task.input_columns())
+    t = pq.read_table(data / "train", columns=["sample_id", *cols])
+    columns = {}
+    for c in cols:
+        arr = np.empty(t.num_rows, dtype=object)
+        arr[:] = t[c].to_pylist()
+        columns[c] = arr
+    ds = _Batches(t["sample_id"].to_numpy(), columns, task, batch, epochs)
+    return _timed(DataLoader(ds, batch_size=None, num_workers=procs, prefetch_factor=2), COUNT[workload])
+
+
+def table(workload: str, results: dict, procs: int) -> str:
+    """One workload's table: each loader's median steady rows/s over the rounds, per
+    data-path process, and its ratio to the fastest median."""
+    med = {k: statistics.median(r["rows_per_s"] for r in rs) for k, rs in results.items()}
+    best = max(med.values())
+    lines = [f"{workload}: {'loader':<12} {'procs':>5} {'rows/s':>8} {'rows/s/proc':>11} "
+             f"{'of best':>8} {'first_s':>8}  rounds (rows/s)"]
+    for k, rs in results.items():
+        runs = " ".join(f"{r['rows_per_s']:.0f}" for r in rs)
+        first = statistics.median(r["first_s"] for r in rs)
+        lines.append(f"{'':<{len(workload) + 2}}{k:<12} {procs:>5} {med[k]:>8.1f} {med[k] / procs:>11.1f} "
+                     f"{med[k] / best:>8.1%} {first:>8.1f}  {runs}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="data/bench_feed", help="where the Parquet crops are written")
-    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--out", default="data/bench_feed", help="where the workloads' Parquet is written")
+    p.add_argument("--workloads", default="images,tokens")
+    p.add_argument("--rows", type=int, default=4096, help="image crops")
+    p.add_argument("--token-mib", type=float, default=4.0, help="MiB of document text")
     p.add_argument("--procs", type=int, default=2, help="data-path processes per loader")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=3, help="batches left out of the steady rate")
-    p.add_argument("--only", default="elastic,ray_data,dataloader")
+    p.add_argument("--batch", type=int, default=64, help="images per batch")
+    p.add_argument("--token-batch", type=int, default=256, help="documents per batch")
+    p.add_argument("--epochs", type=int, default=3, help="the first is left out of the steady rate")
+    p.add_argument("--repeat", type=int, default=1, help="interleaved rounds of the loaders")
+    p.add_argument("--only", default=",".join(LOADERS))
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
+    if a.epochs < 2:
+        p.error("--epochs must be >= 2 (the first epoch is left out of the steady rate)")
+    # One thread per data-path process: the tokenizer's Rust pool would otherwise take
+    # every core (the environment is inherited by Ray's workers and the DataLoader's).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     out = Path(a.out)
-    t0 = time.perf_counter()
-    prepare(out, a.rows)
-    print(f"prepared {a.rows} crops under {out} in {time.perf_counter() - t0:.1f} s", flush=True)
+    workloads = a.workloads.split(",")
+    data = {}
+    for w in workloads:
+        t0 = time.perf_counter()
+        data[w] = prepare(out / w, a.rows) if w == "images" else prepare_tokens(out / w, a.token_mib)
+        import pyarrow.parquet as pq
+        n = pq.ParquetDataset(data[w] / "train").read(columns=["sample_id"]).num_rows
+        print(f"prepared {w}: {n} rows under {data[w]} in {time.perf_counter() - t0:.1f} s", flush=True)
 
     from elastic_ddp.driver.local_ray import init_local_ray
 
     # The trainer's worker (1 CPU) plus the data path's processes.
     init_local_ray(num_cpus=a.procs + 1, configure_logging=False, log_to_driver=False)
-    results = {}
+    results: dict = {w: {k: [] for k in a.only.split(",")} for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
         mod, task_path = _task_module(Path(tmp))
-        for name in a.only.split(","):
-            t = time.perf_counter()
-            if name == "elastic":
-                r = run_elastic(out, Path(tmp), task_path, a.batch, a.epochs, a.warmup)
-            elif name == "ray_data":
-                r = run_ray_data(out, mod, a.procs, a.batch, a.epochs, a.warmup)
-            else:
-                r = run_dataloader(out, mod, a.procs, a.batch, a.epochs, a.warmup)
-            r["wall_s"] = time.perf_counter() - t
-            results[name] = r
-            print(f"{name}: {json.dumps(r)}", flush=True)
-    best = max(r["rows_per_s"] for r in results.values())
-    print(f"\n{'loader':<12} {'procs':>5} {'rows/s':>8} {'rows/s/proc':>11} {'of best':>8}")
-    for name, r in results.items():
-        print(f"{name:<12} {a.procs:>5} {r['rows_per_s']:>8.1f} {r['rows_per_s'] / a.procs:>11.1f} "
-              f"{r['rows_per_s'] / best:>8.1%}")
+        for rnd in range(a.repeat):
+            for w in workloads:
+                task = getattr(mod, TASK_CLASS[w])(**task_kwargs(w, data[w]))
+                batch = a.batch if w == "images" else a.token_batch
+                for name in results[w]:
+                    t = time.perf_counter()
+                    if name == "elastic":
+                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs)
+                    elif name == "ray_data":
+                        r = run_ray_data(data[w], task, w, a.procs, batch, a.epochs)
+                    else:
+                        r = run_dataloader(data[w], task, w, a.procs, batch, a.epochs)
+                    r["wall_s"] = time.perf_counter() - t
+                    r["load"] = os.getloadavg()[0]
+                    results[w][name].append(r)
+                    print(f"round {rnd} {w} {name}: {json.dumps(r)}", flush=True)
+    print()
+    for w in workloads:
+        print(table(w, results[w], a.procs))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     return 0

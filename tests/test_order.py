@@ -231,6 +231,25 @@ def test_read_tasks_cover_every_window_once_in_order():
                 assert max(sizes) - min(sizes) <= 1
 
 
+def test_a_round_is_cut_into_read_tasks_by_its_bytes(tmp_path, monkeypatch):
+    """A round of many bytes gets one read task per window (READ_TASKS in flight keep
+    every slot busy to its end), a small one READ_TASKS; never more tasks than windows."""
+    from elastic_ddp.data import ingest
+
+    cfg = _cfg(_data(tmp_path, n=2000, files=4, rg=10), shuffle_window_rows=400, partitions=8)
+    info = scan_parquet(tmp_path, Echo.columns)
+    windows = open_train_reader(info, Echo(), cfg, 0, 1, 0, 0, 24, local=True, template=T)[1]._todo
+    total = ingest.window_bytes(info, windows)
+    assert ingest.read_task_count(info, windows) == ingest.READ_TASKS        # a few kB
+    assert ingest.read_task_count(info, []) == 0
+    monkeypatch.setattr(ingest, "READ_TASK_BYTES", total / 10)
+    assert ingest.read_task_count(info, windows) == 10
+    monkeypatch.setattr(ingest, "READ_TASK_BYTES", 1)
+    assert ingest.read_task_count(info, windows) == len(windows)             # one per window
+    chunks = ingest.read_chunks(len(windows), ingest.read_task_count(info, windows))
+    assert [b - a for a, b in chunks] == [1] * len(windows)
+
+
 def test_a_batch_spanning_two_windows_is_split_between_them(tmp_path):
     """Should Ray Data hand over two windows' blocks as one batch, each window still
     gets exactly its rows."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -30,6 +31,14 @@ from elastic_ddp.tasks.transform import SEQ, TaskTransform, TransformError  # no
 # Read/transform tasks in flight per rank: two keep one window decoding while the trainer
 # consumes the other (a window is thousands of rows, many steps' worth).
 READ_TASKS = 2
+# Parquet bytes per read task: a round is cut into tasks of about this size (at least
+# READ_TASKS of them, at most one per window), READ_TASKS in flight. A round cut into only
+# READ_TASKS long tasks with large outputs (decoded images) decodes at less than one core's
+# rate: Ray Data hands the output over in task order (preserve_order) and a later task's
+# output stalls on its back-pressure until the earlier task ends. Short tasks keep every
+# slot busy to the round's last task; what it costs: Ray Data's per-task overhead (a few
+# ms) per task, and a row group cut between two windows of different tasks read twice.
+READ_TASK_BYTES = 8 * 2**20
 # Object-store bytes a rank's pipeline may read ahead (data.read_ahead_mib's default).
 READ_AHEAD_BYTES = 256 * 2**20
 # A first round (read before the first step, at a start, restart or epoch start that was
@@ -101,11 +110,16 @@ def _read_windows(files: list[str], schema: pa.Schema, first_seq: int,
 
 def read_chunks(n_windows: int, tasks: int) -> list[tuple[int, int]]:
     """Contiguous ``[a, b)`` runs of window indices, one per read task: at most ``tasks``
-    of them, as even as possible. Fewer, larger read tasks: Ray Data's per-task cost
-    (scheduling, a worker, a block) is paid per task, and a reader waits for a whole round
-    anyway."""
+    of them, as even as possible (:func:`read_task_count` says how many)."""
     bounds = np.linspace(0, n_windows, min(tasks, n_windows) + 1).round().astype(int)
     return [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def read_task_count(info: DatasetInfo, windows: list[Window]) -> int:
+    """Read tasks for ``windows``: ``ceil(window_bytes / READ_TASK_BYTES)``, at least
+    ``READ_TASKS`` and at most one per window (0 for none)."""
+    want = math.ceil(window_bytes(info, windows) / READ_TASK_BYTES)
+    return min(len(windows), max(READ_TASKS, want))
 
 
 def window_source(files: list[str], schema: pa.Schema, windows: list[Window],
@@ -170,8 +184,9 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
     # sized by workers x cpus_per_worker), and a task waiting for a free CPU would stall
     # the job forever. What it costs: the tasks share the cores with training.
     remote = {"num_cpus": 0, "concurrency": READ_TASKS}
-    src = window_source(info.files, info.schema, windows, READ_TASKS)
-    ds = ray.data.read_datasource(src, override_num_blocks=len(read_chunks(len(windows), READ_TASKS)),
+    tasks = read_task_count(info, windows)
+    src = window_source(info.files, info.schema, windows, tasks)
+    ds = ray.data.read_datasource(src, override_num_blocks=len(read_chunks(len(windows), tasks)),
                                   **remote)
     ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False,
                         **remote)
