@@ -9,7 +9,8 @@ record of it.
 Ray: two CLI jobs on digits, on a real local cluster with a real sqlite MLflow store. A
 task whose transform sleeps 20 ms per training row (its data is slower than its step)
 prints the warning exactly once with the fix and tags the run; the same task without
-the sleep, on the default windows (read ahead of the steps), does neither.
+the sleep in its transform, whose step takes a few tens of ms (its loss sleeps), on the
+default windows (read ahead of the steps), does neither.
 """
 
 from __future__ import annotations
@@ -92,19 +93,24 @@ SLOW_TASK = """
         '''The built-in digits CNN whose training transform sleeps: a data path slower
         than the step (a decoder too slow for the accelerator).'''
 
-        def __init__(self, sleep_per_row: float = 0.0, **kw):
+        def __init__(self, sleep_per_row: float = 0.0, sleep_per_loss: float = 0.0, **kw):
             super().__init__(**kw)
             self.sleep_per_row = float(sleep_per_row)
+            self.sleep_per_loss = float(sleep_per_loss)
 
         def transform(self, batch, ctx):
             if ctx.split == "train":
                 time.sleep(self.sleep_per_row * len(ctx.sample_ids))
             return super().transform(batch, ctx)
+
+        def loss(self, model, batch):
+            time.sleep(self.sleep_per_loss)  # a step of a few tens of ms, as on an accelerator
+            return super().loss(model, batch)
 """
 
 
 def _run_cli(data: Path, tmp: Path, name: str, sleep_per_row: float, data_cfg: dict,
-             capsys) -> tuple[str, object, list[float]]:
+             capsys, sleep_per_loss: float = 0.0) -> tuple[str, object, list[float]]:
     from elastic_ddp.driver.cli import main
 
     task_file = tmp / "user_code" / "slow_task.py"
@@ -116,6 +122,7 @@ def _run_cli(data: Path, tmp: Path, name: str, sleep_per_row: float, data_cfg: d
     raw["task"]["path"] = f"{task_file}:SlowDigits"
     raw["model"].pop("name")                       # the task builds the model
     raw["task"]["kwargs"]["sleep_per_row"] = sleep_per_row
+    raw["task"]["kwargs"]["sleep_per_loss"] = sleep_per_loss
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     rc = main(["train", str(path), "--no-progress"])
@@ -144,8 +151,11 @@ def test_a_run_slower_in_its_data_than_its_step_says_so_once(ray_cluster, digits
 
 
 def test_a_step_bound_run_does_not_warn(ray_cluster, digits_data, tmp_path, capsys):
-    # The default windows: each rank's pipeline reads ahead of its steps.
-    console, run, fracs = _run_cli(digits_data, tmp_path, "step-bound", 0.0, {}, capsys)
+    # The default windows: each rank's pipeline reads ahead of its steps. The step takes
+    # a few tens of ms (its loss sleeps): a step of the digits CNN alone takes about a
+    # millisecond, where a scheduling hiccup of the shared cores is a tenth of the step.
+    console, run, fracs = _run_cli(digits_data, tmp_path, "step-bound", 0.0, {}, capsys,
+                                   sleep_per_loss=0.03)
     assert "waits for its data" not in console, console[-4000:]
     assert DATA_WAIT_TAG not in run.data.tags
     assert len(fracs) >= WINDOW and fracs[len(fracs) // 2] < THRESHOLD, fracs
