@@ -4,10 +4,12 @@ and real processes that hold a sqlite lock or die by SIGKILL at a recorded step.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +208,49 @@ def open_request(cfg, uri: str, storage: str) -> dict:
     return dict(cfg=cfg, storage=storage, uri=uri, parent_run_id=None,
                 task_params=tracking.task_params(task, count_params(cfg, task)), train_info=info, val_info=None,
                 skipped={"train": ["_staging"]})
+
+
+def train_ids(data: Path):
+    from elastic_ddp.data.scan import read_sample_ids
+
+    return read_sample_ids(data / "train")
+
+
+def max_step(ledger: Path, world_size: int | None = None) -> int:
+    """The highest step any rank-0 ledger file has recorded (of attempts at
+    ``world_size`` when given); 0 when none yet."""
+    best = 0
+    for f in ledger.glob("attempt-*-rank0.jsonl"):
+        lines = f.read_text().splitlines()
+        if not lines:
+            continue
+        try:
+            head = json.loads(lines[0])
+            last = json.loads(lines[-1]) if len(lines) > 1 else {}
+        except json.JSONDecodeError:
+            continue
+        if world_size is not None and head.get("world_size") != world_size:
+            continue
+        best = max(best, int(last.get("step", 0)))
+    return best
+
+
+def add_node(cluster, tries: int = 3, **kw):
+    """``cluster.add_node`` with retries: Ray gives a raylet 30 s to register with the
+    GCS, which a machine shared by several Ray clusters does not always meet."""
+    kw.setdefault("object_store_memory", 100 * 2**20)
+    for i in range(tries):
+        try:
+            return cluster.add_node(**kw)
+        except Exception:  # noqa: BLE001 - "timed out during startup"; retried
+            if i == tries - 1:
+                raise
+            time.sleep(2)
+
+
+def wait_until(pred, timeout: float) -> None:
+    end = time.time() + timeout
+    while not pred():
+        if time.time() > end:
+            raise TimeoutError(f"condition not met in {timeout}s")
+        time.sleep(0.1)

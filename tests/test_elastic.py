@@ -36,6 +36,7 @@ from elastic_ddp.checkpoint.export import read_run_state
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
+from helpers import add_node, max_step, train_ids, wait_until
 
 EPOCHS = 3
 CKPT_EVERY = 5
@@ -59,12 +60,6 @@ def _job(data: Path, tmp: Path, name: str, extra: dict | None = None):
     return Config.from_dict(_deep_update(raw, extra or {}))
 
 
-def _train_ids(data: Path):
-    from elastic_ddp.data.scan import read_sample_ids
-
-    return read_sample_ids(data / "train")
-
-
 def _events(summary_or_uri, run_id: str | None = None) -> list[dict]:
     from mlflow.tracking import MlflowClient
 
@@ -75,27 +70,8 @@ def _events(summary_or_uri, run_id: str | None = None) -> list[dict]:
         return json.loads(Path(client.download_artifacts(rid, "events/events.json", d)).read_text())
 
 
-def _max_step(ledger: Path, world_size: int | None = None) -> int:
-    """The highest step any rank-0 ledger file has recorded (of attempts at
-    ``world_size`` when given); 0 when none yet."""
-    best = 0
-    for f in ledger.glob("attempt-*-rank0.jsonl"):
-        lines = f.read_text().splitlines()
-        if not lines:
-            continue
-        try:
-            head = json.loads(lines[0])
-            last = json.loads(lines[-1]) if len(lines) > 1 else {}
-        except json.JSONDecodeError:
-            continue
-        if world_size is not None and head.get("world_size") != world_size:
-            continue
-        best = max(best, int(last.get("step", 0)))
-    return best
-
-
 def _assert_ledger_clean(ledger: Path, data: Path, epochs: int = EPOCHS) -> dict:
-    report = audit(ledger, _train_ids(data), epochs)
+    report = audit(ledger, train_ids(data), epochs)
     print(format_audit(report))
     for ep, e in report["epochs"].items():
         assert (e["repeated"], e["lost"], e["unknown"]) == (0, 0, 0), (ep, e)
@@ -109,19 +85,6 @@ def _assert_ledger_clean(ledger: Path, data: Path, epochs: int = EPOCHS) -> dict
 def _close_to_baseline(summary, baseline) -> None:
     got, ref = summary.metrics["val_loss"], baseline.metrics["val_loss"]
     assert abs(got - ref) <= 0.02 * ref, (got, ref)
-
-
-def add_node(cluster, tries: int = 3, **kw):
-    """``cluster.add_node`` with retries: Ray gives a raylet 30 s to register with the
-    GCS, which a machine shared by several Ray clusters does not always meet."""
-    kw.setdefault("object_store_memory", 100 * 2**20)
-    for i in range(tries):
-        try:
-            return cluster.add_node(**kw)
-        except Exception:  # noqa: BLE001 - "timed out during startup"; retried
-            if i == tries - 1:
-                raise
-            time.sleep(2)
 
 
 # ------------------------------------------------------------------------ fixtures
@@ -289,18 +252,18 @@ def test_elastic_shrink_and_grow(cluster, data, baseline, tmp_path):
     th = threading.Thread(target=run, daemon=True)
     th.start()
     done = lambda: not th.is_alive()  # noqa: E731
-    _wait(lambda: done() or _max_step(ledger) >= 4, 300)
+    wait_until(lambda: done() or max_step(ledger) >= 4, 300)
     assert not done(), "training ended before the node could be removed"
     node = sorted(cluster.worker_nodes, key=lambda n: n.unique_id)[0]
     log["remove_t"] = time.time()
     cluster.remove_node(node)
-    _wait(lambda: done() or _max_step(ledger, world_size=1) > 0, 300)
+    wait_until(lambda: done() or max_step(ledger, world_size=1) > 0, 300)
     log["add_t"] = time.time()
     # Training goes on at the smaller size within 60 s of losing the node (not after Ray
     # Train's placement timeout: scaling.placement_timeout_s bounds the wait for the lost
     # node's resources). A step at world size 1 must have happened for the figure to mean
     # anything.
-    assert _max_step(ledger, world_size=1) > 0, "no step ran at world size 1"
+    assert max_step(ledger, world_size=1) > 0, "no step ran at world size 1"
     FIGURES["node_removal_to_ws1_step_s"] = round(log["add_t"] - log["remove_t"], 1)
     assert log["add_t"] - log["remove_t"] < 60, FIGURES["node_removal_to_ws1_step_s"]
     add_node(cluster, num_cpus=2)
@@ -330,10 +293,3 @@ def test_elastic_shrink_and_grow(cluster, data, baseline, tmp_path):
     _close_to_baseline(s, baseline)
     FIGURES["elastic_val_loss"] = s.metrics["val_loss"]
 
-
-def _wait(pred, timeout: float) -> None:
-    end = time.time() + timeout
-    while not pred():
-        if time.time() > end:
-            raise TimeoutError(f"condition not met in {timeout}s")
-        time.sleep(0.1)

@@ -35,7 +35,7 @@ from elastic_ddp.checkpoint.export import model_state
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
-from test_elastic import _max_step, _train_ids, _wait, add_node
+from helpers import add_node, max_step, train_ids, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def _check(summary, baseline, ledger: Path, data: Path, source: str) -> dict:
     """The job finished exactly: the ledger clean, one preemption of ``source`` with 0
     steps recomputed (in the summary and the MLflow run's recovery table), the restart
     resumed from the checkpoint at the notice, the baseline's final model."""
-    report = audit(ledger, _train_ids(data), EPOCHS)
+    report = audit(ledger, train_ids(data), EPOCHS)
     print(format_audit(report))
     for ep, e in report["epochs"].items():
         assert (e["repeated"], e["lost"], e["unknown"]) == (0, 0, 0), (ep, e)
@@ -173,7 +173,7 @@ def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, dat
     cfg = _job(data, tmp_path, "drained")
     th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
                                           progress=False))
-    _wait(lambda: not th.is_alive() or _max_step(ledger) >= 5, 300)
+    wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
     assert th.is_alive(), result
     node_id = sorted(w["node_id"] for w in _workers())[0]
     t_drain = time.time()
@@ -183,7 +183,7 @@ def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, dat
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     # The reclaim: the node goes when its deadline passes.
-    _wait(lambda: time.time() > t_drain + 20, 60)
+    wait_until(lambda: time.time() > t_drain + 20, 60)
     node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
     cluster.remove_node(node)
     th.join(600)
@@ -204,7 +204,7 @@ def test_sigterm_to_one_worker_is_checkpointed_before_it_exits(cluster, data, ba
     cfg = _job(data, tmp_path, "sigterm")
     th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
                                           progress=False))
-    _wait(lambda: not th.is_alive() or _max_step(ledger) >= 5, 300)
+    wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
     assert th.is_alive(), result
     pid = sorted(w["pid"] for w in _workers())[-1]
     os.kill(pid, signal.SIGTERM)
@@ -254,7 +254,7 @@ def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resume
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, str(script), str(cfg_file), str(ledger)]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: p.poll() is not None or _max_step(ledger) >= 5, 300)
+    wait_until(lambda: p.poll() is not None or max_step(ledger) >= 5, 300)
     assert p.poll() is None, p.communicate()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
@@ -263,7 +263,7 @@ def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resume
     assert "stopped on SIGTERM at a checkpoint" in err and "run the same command to resume" in err, err
     (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "KILLED"
-    stopped_at = _max_step(ledger)
+    stopped_at = max_step(ledger)
     assert 0 < stopped_at < 23, stopped_at
 
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -271,7 +271,7 @@ def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resume
     assert again.returncode == 0, again.stderr[-3000:]
     (run2,) = mlflow_runs(tmp_path)
     assert run2.info.run_id == run.info.run_id and run2.info.status == "FINISHED"
-    report = audit(ledger, _train_ids(data), EPOCHS)
+    report = audit(ledger, train_ids(data), EPOCHS)
     print(format_audit(report))
     assert report["ok"] and all((e["repeated"], e["lost"]) == (0, 0) for e in report["epochs"].values())
     attempts = report["attempts"]
