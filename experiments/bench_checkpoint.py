@@ -5,11 +5,13 @@ gloo started by ``torchrun``.
 
     .venv/bin/python experiments/bench_checkpoint.py --sizes 2x128,4x256,8x512
     .venv/bin/python experiments/bench_checkpoint.py --checkout <commit>   # the old path
+    .venv/bin/python experiments/bench_checkpoint.py --sizes 24x1024 --paths "" --interleave
 
 Model: the gpt task widened (``n_layer x n_embd``, block 64), AdamW, strategies ddp and
 fsdp. Per (size, strategy, path), printed: parameters, state bytes on disk, one training
 step (s), training-blocked seconds of one checkpoint (the slowest rank's time inside the
-save call), seconds until persisted (until the manifest, or the future, is done), restore
+save call), seconds until persisted (from the save call until this rank's write, its
+manifest share included, is done, timed by a thread while one training step runs), restore
 seconds (a fresh process group, a fresh model; checksums included for this project),
 bytes read per rank at restore (``rchar`` of /proc/self/io: page-cache reads count too)
 and peak RSS per rank; then the ratios against the full-state path. Each row is the
@@ -18,6 +20,16 @@ median of ``--repeat`` checkpoints after one warm-up.
 ``--checkout REV``: the commit whose ``elastic_ddp`` is the full-state path (default:
 the parent of the commit that made ``elastic_ddp/checkpoint.py`` a package), checked
 out with ``git worktree`` into a temporary directory.
+
+``--driver-sizes``: the driver's side instead. Per size, one ``elastic-ddp train`` job
+of the ``bench_gpt`` preset widened to that size (2 workers, 4 steps, a checkpoint at
+step 2 and the final one, local Ray, local MLflow) and the driver process's peak RSS
+(``ru_maxrss`` at its exit), printed beside the model's fp32 weight bytes: the driver
+builds the model once on the meta device and once on the CPU for its dry run, and logs
+the final model to MLflow only when it is small, so its peak should grow by at most one
+copy of the weights.
+
+    .venv/bin/python experiments/bench_checkpoint.py --driver-sizes 2x128,8x512,24x1024
 """
 
 from __future__ import annotations
@@ -41,6 +53,25 @@ PATHS = ("full_state", "sharded", "sharded_async", "dcp_async")
 def _rchar() -> int:
     with open("/proc/self/io") as f:
         return int(next(ln for ln in f if ln.startswith("rchar")).split()[1])
+
+
+def _when_done(wait, t_call: float):
+    """Time the background write's end while the caller trains: ``wait`` (blocks until
+    this rank's write is done; None: already done at ``t_call``) runs in a thread; the
+    returned function joins it and gives the moment it returned (perf_counter s)."""
+    import threading
+
+    box = [t_call]
+    if wait is None:
+        return lambda: box[0]
+
+    def run():
+        wait()
+        box[0] = time.perf_counter()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return lambda: (th.join(), box[0])[1]
 
 
 def _cfg(size: str, strategy: str):
@@ -90,6 +121,8 @@ def worker(args) -> None:
     store = Path(args.out)
     blocked, persisted = [], []
     path = args.path
+    if path == "interleaved":
+        return _interleaved(args, s, step, store, rank, ws)
     for k in range(args.repeat + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -108,9 +141,10 @@ def worker(args) -> None:
                                   log=lambda _: None, strategy_name=args.strategy)
             m.save(k, s, {"progress": {}}, report=False, asynchronous=path == "sharded_async")
             t1 = time.perf_counter()
+            done = _when_done(m.pending.thread.join if m.pending is not None else None, t1)
             step()  # the loop goes on while the write runs
             m.wait()
-            t2 = time.perf_counter()
+            t2 = done()
         else:  # plain DCP async_save, the torchtitan way
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -121,16 +155,15 @@ def worker(args) -> None:
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(store / f"ck{k}"),
                                  process_group=pg)
             t1 = time.perf_counter()
+            done = _when_done(fut.result, t1)
             step()
             fut.result()
-            dist.barrier()
-            t2 = time.perf_counter()
+            t2 = done()
         dt = torch.tensor([t1 - t0, t2 - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if k:
             blocked.append(float(dt[0]))
-            # The step run during the write is not persisting time.
-            persisted.append(float(dt[1]) - (step_s if path not in ("full_state",) else 0.0))
+            persisted.append(float(dt[1]))
     last = args.repeat
     del s
     s = fresh()
@@ -164,6 +197,57 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _interleaved(args, s, step, store: Path, rank: int, ws: int) -> None:
+    """This project's asynchronous save and plain DCP ``async_save`` alternated in one
+    process group, ``--repeat`` + 1 each (the first of each a warm-up), a training step
+    during every write: both see the same machine load, so their ratio holds on a noisy
+    machine where separate runs swing by 2x."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elastic_ddp.checkpoint.manager import CheckpointManager
+
+    pg = dist.new_group(backend="gloo")
+    m = CheckpointManager(str(store), "run", {}, rank, ws, collective=True,
+                          log=lambda _: None, strategy_name=args.strategy)
+    got: dict[str, list] = {"sharded_async": [], "dcp_async": []}
+    for k in range(2 * (args.repeat + 1)):
+        kind = "sharded_async" if k % 2 == 0 else "dcp_async"
+        dist.barrier()
+        t0 = time.perf_counter()
+        if kind == "sharded_async":
+            m.save(k, s, {"progress": {}}, report=False, asynchronous=True)
+            t1 = time.perf_counter()
+            done = _when_done(m.pending.thread.join, t1)
+            step()
+            m.wait()
+        else:
+            msd, osd = get_state_dict(s.module, s.optimizer)
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(store / f"dcp{k}"),
+                                 process_group=pg)
+            t1 = time.perf_counter()
+            done = _when_done(fut.result, t1)
+            step()
+            fut.result()
+        dt = torch.tensor([t1 - t0, done() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if k >= 2:
+            got[kind].append((float(dt[0]), float(dt[1])))
+        dist.barrier()
+        if rank == 0:  # keep the disk bounded: only the newest of each kind stays
+            for d in store.rglob("*"):
+                if d.is_dir() and d.name.startswith(("dcp", "checkpoint_step")) and \
+                        not d.name.endswith((f"{k:08d}", f"dcp{k}")):
+                    shutil.rmtree(d, ignore_errors=True)
+    out = {kind: {"blocked_s": statistics.median(b for b, _ in v),
+                  "persisted_s": statistics.median(q for _, q in v)} for kind, v in got.items()}
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
 def _old_checkout(rev: str | None) -> Path:
     if rev is None:
         made = subprocess.run(["git", "-C", str(ROOT), "rev-list", "-1", "HEAD", "--",
@@ -189,18 +273,75 @@ def run_one(size: str, strategy: str, path: str, repeat: int, code: Path) -> dic
         return json.loads(line[len("RESULT "):])
 
 
+DRIVER = ("import atexit, resource, sys\n"
+          "atexit.register(lambda: print('DRIVER_MAXRSS_KB', resource.getrusage("
+          "resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True))\n"
+          "from elastic_ddp.driver.cli import main\n"
+          "sys.exit(main(sys.argv[1:]))\n")
+
+
+def driver_rss(size: str) -> dict:
+    """One ``elastic-ddp train`` job at ``size``; the driver's peak RSS (MB) and the
+    model's fp32 weight bytes. Raises RuntimeError if the job fails."""
+    layers, width = (int(v) for v in size.split("x"))
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-driver-") as out:
+        sets = {"model.kwargs": f"{{n_layer: {layers}, n_head: {max(1, width // 64)}, n_embd: {width}}}",
+                "batch.global_batch_size": "4", "batch.micro_batch_size": "2",
+                "train.max_steps": "4", "train.checkpoint_every_steps": "2",
+                "train.eval_max_batches": "1", "run.name": f"driver-rss-{size}",
+                "run.storage_path": f"{out}/ray_results",
+                "run.tracking_uri": f"sqlite:///{out}/mlflow.db"}
+        cmd = [sys.executable, "-c", DRIVER, "train", str(ROOT / "experiments/configs/bench_gpt.yaml"),
+               "--no-progress"]
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("RAY_ADDRESS", None)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600,
+                           check=False)
+        line = next((ln for ln in p.stderr.splitlines() if ln.startswith("DRIVER_MAXRSS_KB")), None)
+        if p.returncode != 0 or line is None:
+            raise RuntimeError(f"driver job {size} failed (exit {p.returncode}):\n"
+                               f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        return {"rss_mb": int(line.split()[1]) / 1024, "weights_mb": 4 * _params(size) / 1e6}
+
+
+def _params(size: str) -> int:
+    """The model's parameter count, built on the meta device (no memory)."""
+    import torch
+
+    from elastic_ddp.tasks.loading import build_model, load_task
+
+    cfg = _cfg(size, "ddp")
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg, load_task(cfg)).parameters())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2x128,4x256,8x512", help="n_layer x n_embd, comma-separated")
     ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--paths", default=",".join(PATHS), help="a subset of " + ", ".join(PATHS))
+    ap.add_argument("--interleave", action="store_true",
+                    help="also time this project's async save against plain DCP async_save "
+                         "alternated in one process group (a ratio that holds under load)")
     ap.add_argument("--repeat", type=int, default=2, help="checkpoints measured after one warm-up")
     ap.add_argument("--checkout", default=None, help="commit of the full-state path")
+    ap.add_argument("--driver-sizes", default=None,
+                    help="measure the driver's peak RSS of an elastic-ddp job at these sizes instead")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size"), ap.add_argument("--strategy"), ap.add_argument("--path")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.driver_sizes:
+        print(f"{'size':>8} {'weights MB':>10} {'driver peak RSS MB':>18} {'RSS - weights':>13}")
+        for size in args.driver_sizes.split(","):
+            r = driver_rss(size)
+            print(f"{size:>8} {r['weights_mb']:>10.0f} {r['rss_mb']:>18.0f} "
+                  f"{r['rss_mb'] - r['weights_mb']:>13.0f}", flush=True)
+        return None
     old = _old_checkout(args.checkout)
     try:
         print(f"{'size':>7} {'strat':>5} {'path':>13} {'params':>9} {'disk MB':>8} {'step s':>7} "
@@ -209,7 +350,7 @@ def main() -> None:
         for size in args.sizes.split(","):
             for strategy in args.strategies.split(","):
                 ref = None
-                for path in PATHS:
+                for path in [p for p in args.paths.split(",") if p]:
                     r = run_one(size, strategy, path, args.repeat, old if path == "full_state" else ROOT)
                     k = r["ranks"]
                     row = {f: max(x[f] for x in k) for f in ("step_s", "blocked_s", "persisted_s", "restore_s")}
@@ -222,6 +363,16 @@ def main() -> None:
                           f"{reads:>12} {rss:>13}  "
                           f"{row['blocked_s'] / ref['blocked_s']:.2f}x, {row['restore_s'] / ref['restore_s']:.2f}x",
                           flush=True)
+        if args.interleave:
+            print(f"\n{'size':>7} {'strat':>5}  interleaved, median of {args.repeat}: blocked s "
+                  f"(this project / DCP async = ratio), persisted s (this project / DCP async)")
+            for size in args.sizes.split(","):
+                for strategy in args.strategies.split(","):
+                    r = run_one(size, strategy, "interleaved", args.repeat, ROOT)
+                    a, d = r["sharded_async"], r["dcp_async"]
+                    print(f"{size:>7} {strategy:>5}  {a['blocked_s']:.3f} / {d['blocked_s']:.3f} = "
+                          f"{a['blocked_s'] / d['blocked_s']:.2f}x, {a['persisted_s']:.2f} / "
+                          f"{d['persisted_s']:.2f}", flush=True)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
                        capture_output=True, check=False)
