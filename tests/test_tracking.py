@@ -135,6 +135,37 @@ def test_logged_model_loads_with_mlflow_pytorch(tmp_path):
     assert logged.artifact_location.startswith(str(tmp_path / "mlruns"))
 
 
+def test_the_final_model_of_a_large_job_holds_the_checkpoints_tensors(tmp_path):
+    """Without the dry run's CPU module (a model over CPU_DRY_RUN_PARAMS) the driver's
+    logged model takes the exported weights as its own tensors: one copy in memory, not
+    a second build's, and it loads with mlflow.pytorch to the same outputs."""
+    import mlflow.pytorch
+    import torch
+
+    from elastic_ddp.driver.finish import _log_mlflow_model, _module_holding
+    from elastic_ddp.tasks.loading import build_model, load_task
+
+    cfg = Config.from_dict(digits_config(tmp_path / "d", tmp_path))
+    task = load_task(cfg)
+    torch.manual_seed(1)
+    trained = build_model(cfg, task).eval()
+    weights = trained.state_dict()
+    held = _module_holding(cfg, task, weights)
+    sd = held.state_dict()
+    assert sd.keys() == weights.keys()
+    assert all(sd[k].data_ptr() == weights[k].data_ptr() for k in weights), "weights were copied"
+    assert not any(t.is_meta for t in held.parameters())
+    x = torch.randn(5, 64)
+    assert torch.equal(held.eval()(x), trained(x))
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id, _ = tracking.open_run(cfg, "storage", uri)
+    model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, None, 3, model=None)
+    assert model_id is not None
+    mlflow.set_tracking_uri(uri)
+    assert torch.allclose(mlflow.pytorch.load_model(f"models:/{model_id}")(x), trained(x))
+
+
 def test_a_moved_store_keeps_its_artifacts(tmp_path):
     """The default layout (mlflow.db beside mlruns/) moved to another folder: the next
     job that opens it re-anchors the experiment, its runs and logged models, so nothing

@@ -126,20 +126,22 @@ def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, s
     model built from its task when there is none, and log it as an MLflow PyTorch model;
     its signature comes from one forward call on the val sample row. A model that cannot
     be built, loaded or pickled is reported and skipped (the plain ``model/model.pt`` is
-    there either way)."""
+    there either way).
+
+    Without a dry-run module (a model over ``tasks.loading.CPU_DRY_RUN_PARAMS``) the
+    model is built on the meta device and takes ``weights``' tensors as its own
+    (``load_state_dict(assign=True)``), so the driver holds one copy of the weights, not
+    two; a model whose build leaves tensors outside its state dict (non-persistent
+    buffers) is built on the CPU instead, at the cost of a second copy."""
     import sys
-
-    import torch
-
-    from elastic_ddp.tasks.loading import build_model
 
     try:
         if model is None:
-            torch.manual_seed(cfg.seed)
-            model = build_model(cfg, task)
-        # Strict: every parameter and persistent buffer (batch-norm statistics too) is
-        # replaced by the checkpoint's.
-        model.load_state_dict(weights)
+            model = _module_holding(cfg, task, weights)
+        else:
+            # Strict: every parameter and persistent buffer (batch-norm statistics too) is
+            # replaced by the checkpoint's.
+            model.load_state_dict(weights)
         model.eval()
         example = _forward_example(model, task, sample)
         return tracking.log_model(uri, run_id, model, example, step)
@@ -148,6 +150,26 @@ def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, s
               f"({type(e).__name__}: {str(e)[:300]}); model/model.pt holds its weights",
               file=sys.stderr, flush=True)
         return None
+
+
+def _module_holding(cfg: Config, task, weights: dict):
+    """The job's model with ``weights`` as its parameters and buffers (strict: every
+    entry used, none missing). Raises what the build or ``load_state_dict`` raises."""
+    import itertools
+
+    import torch
+
+    from elastic_ddp.tasks.loading import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg, task)
+    model.load_state_dict(weights, assign=True)
+    if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        return model
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, task)
+    model.load_state_dict(weights)
+    return model
 
 
 def _forward_example(model, task, sample) -> Optional[tuple]:
