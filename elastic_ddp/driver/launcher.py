@@ -40,6 +40,17 @@ class TrainingError(RuntimeError):
     run is closed as FAILED with the error as a tag; the last checkpoint is kept."""
 
 
+_env_written: dict[str, str] = {}
+
+
+def _env_default(name: str, value: str) -> None:
+    """``os.environ[name] = value`` unless someone else set it: a value this process's
+    jobs wrote is theirs to change (a restart-mode job after a per-step one in the same
+    process gets its watcher back), one a person set is kept."""
+    if os.environ.get(name) in (None, _env_written.get(name)):
+        os.environ[name] = _env_written[name] = value
+
+
 def _storage_path(cfg: Config) -> str:
     from elastic_ddp.paths import is_uri, local_path
 
@@ -160,8 +171,8 @@ def build_trainer(cfg: Config, job, tracker):
     preempt = preemption_supported(plan) and s.preemption_checkpoint
     if job is not None:  # the workers' JobSpec (None: a trainer built only to be inspected)
         job.preemption = preempt
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
-                          "1" if preempt and s.fault_tolerance == "restart" else "0")
+    _env_default("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                 "1" if preempt and s.fault_tolerance == "restart" else "0")
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     if s.preemption_checkpoint and preemption_notice_line(plan):
         print(preemption_notice_line(plan), flush=True)

@@ -117,6 +117,8 @@ class ReplicaGroup:
         computes, not while the others wait for their next quorum. ``step``: the last
         step this replica committed.
 
+        A replica that has joined no quorum yet leaves at once.
+
         Raises:
             Preempted: at the first call after the last step (``left=True``)."""
         if leave is None:
@@ -125,6 +127,8 @@ class ReplicaGroup:
             leave.check(step, before_leave=self.shutdown)
         if leave.held() is None:
             return self.quorum()
+        if self.participants == 0:  # in no quorum yet: nothing to finish, leave at once
+            leave.check(step, before_leave=self.shutdown)
         got = self.quorum()
         self.leaving = True
         if not self.changed:
