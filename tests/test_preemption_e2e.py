@@ -329,10 +329,14 @@ def test_per_step_a_node_drained_with_a_20s_deadline_loses_its_replica_at_a_step
     """Per-step mode: the node of one worker is drained with a 20 s deadline (and removed
     when it passes): that replica sees the drain (its own poll of the GCS), leaves the
     quorum after a committed step well before the deadline, the other trains on alone,
-    and the replacement starts on the spare node."""
+    and the replacement starts on the spare node once the drained node is gone, heals
+    and joins."""
     ledger = tmp_path / "ledger"
     cfg = _per_step_job(data, tmp_path, "ps-drained")
-    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+    # 1 s steps: the survivor still trains when the replacement starts, after the deadline
+    # (the drained node holds the replica's placement-group bundle until it is gone).
+    slow = {**SLOW, "step_s": 1.0}
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=slow),
                                           progress=False))
     wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
     assert th.is_alive(), result

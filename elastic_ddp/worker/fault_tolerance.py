@@ -20,7 +20,9 @@ The settings and the three torchft/Ray pitfalls the recipe avoids (docs/design.m
   starting never reaches: durable checkpoints are reported only by a full quorum; a
   final state written by a partial quorum goes straight to storage;
 - a replacement that starts after the others finished would form a quorum alone at step 0
-  and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it.
+  and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it
+  (checked before its first quorum, and after every quorum it is alone in: the last
+  replica may finish while the replacement starts).
 
 A notice (this worker's SIGTERM, a drain of its node) makes the replica's next step its
 last (``worker.notice.ReplicaLeave``, ``ReplicaGroup.begin``): it takes part in that step
@@ -239,6 +241,11 @@ class ReplicaGroup:
     _shut = False
 
 
+class RunOver(Exception):
+    """A replica found the run finished by another (the done marker) once it was in a
+    quorum: it ends without training (``PerStepFaultTolerance.fit`` returns)."""
+
+
 def done_marker(storage: str, run_name: str) -> Optional[Path]:
     """The file a finished replica leaves for its run (local storage only), keyed by the
     lighthouse address, which is new for every Ray Train run."""
@@ -365,8 +372,14 @@ class PerStepFaultTolerance:
         (``ReplicaGroup.begin``).
 
         Raises:
-            Preempted: at the boundary after the last step (``left=True``)."""
-        return self.group.begin(self.leave, self.t.progress.step)
+            Preempted: at the boundary after the last step (``left=True``).
+            RunOver: alone in its quorum after another replica finished the run (a
+                replacement that passed the done-marker check in ``fit`` just before the
+                last replica finished: alone it would retrain the run from step 0)."""
+        got = self.group.begin(self.leave, self.t.progress.step)
+        if self.group.participants == 1 and self.marker is not None and self.marker.exists():
+            raise RunOver(f"rank {self.t.rank}: the run is over (done marker {self.marker})")
+        return got
 
     def loss_weight(self, n: int) -> float:
         return 1.0 / n  # the all-reduce SUMs over the participants
@@ -413,6 +426,8 @@ class PerStepFaultTolerance:
                 # steps on, within the windows read here).
                 t.warm_reader()
             loop()
+        except RunOver as e:
+            t.log(str(e))
         finally:
             if self.marker is not None and t.done:
                 self.marker.parent.mkdir(parents=True, exist_ok=True)
