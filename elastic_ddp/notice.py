@@ -13,10 +13,14 @@ A notice is one of:
 - ``stop``: the driver got SIGTERM (a Ray job being stopped, a CI runner cancelled) and
   asked the controller to stop the job (``compat.ray_trainer.ControllerHost.request_stop``).
 
-The workers agree on it at a step boundary (``elastic_ddp.worker.notice``), commit a
-checkpoint there, and every rank raises :class:`Preempted`. The controller counts it
-against the preemption budget (``scaling.max_preemptions``), never against
-``scaling.max_failures``, and restarts, or for ``stop`` ends the job
+In ``restart`` mode the workers agree on it at a step boundary
+(``elastic_ddp.worker.notice``), commit a checkpoint there, and every rank raises
+:class:`Preempted`. In ``per_step`` mode the replica that holds the notice (its own
+SIGTERM, or a drain of its own node) leaves its quorum at a step boundary and raises
+:class:`Preempted` alone (``left``): the other replicas continue without it and Ray
+replaces it. The controller counts it against the preemption budget
+(``scaling.max_preemptions``), never against ``scaling.max_failures``, and restarts (or,
+in ``per_step`` mode, replaces the replica), or for ``stop`` ends the job
 (``controller.events``).
 """
 
@@ -63,34 +67,53 @@ def request_stop() -> None:
 class Preempted(RuntimeError):
     """Raised by every rank after the checkpoint at a notice is committed: the worker
     group ends so that the job restarts (or, for ``stop``, ends) from that checkpoint.
+    In ``per_step`` mode (``left``) raised by the noticed replica alone, once it has left
+    its quorum after a committed step: Ray replaces that replica, the others go on.
 
-    ``source``: one of :data:`SOURCES`; ``step``: the committed step; ``noticed_t``:
-    when the first rank learned it (seconds since the epoch); ``deadline_t``: when the
-    node goes away (drain with a deadline; else None); ``committed_t``: when the
-    checkpoint was committed; ``ranks``: the world ranks that got the notice themselves
-    (a SIGTERM's process; all ranks for a drain); ``rank``: the raising rank."""
+    ``source``: one of :data:`SOURCES`; ``step``: the committed step (the checkpoint's,
+    or the last step the leaving replica took part in); ``noticed_t``: when the first
+    rank learned it (seconds since the epoch); ``deadline_t``: when the node goes away
+    (drain with a deadline; else None); ``committed_t``: when the checkpoint was
+    committed, or when the replica left; ``ranks``: the world ranks that got the notice
+    themselves (a SIGTERM's process; all ranks for a drain in ``restart`` mode); ``rank``:
+    the raising rank; ``left``: a ``per_step`` replica that left its quorum (no
+    checkpoint)."""
 
     def __init__(self, source: str, step: int, noticed_t: float, deadline_t: Optional[float],
-                 committed_t: float, ranks: tuple[int, ...] = (), rank: int = 0):
+                 committed_t: float, ranks: tuple[int, ...] = (), rank: int = 0, left: bool = False):
         self.source, self.step, self.noticed_t = source, step, noticed_t
         self.deadline_t, self.committed_t = deadline_t, committed_t
-        self.ranks, self.rank = tuple(ranks), rank
-        lead = f", {deadline_t - noticed_t:.1f} s before its deadline" if deadline_t else ""
-        super().__init__(f"rank {rank}: {source} notice{lead}; checkpoint of step {step} "
-                         f"committed {committed_t - noticed_t:.1f} s after it")
+        self.ranks, self.rank, self.left = tuple(ranks), rank, left
+        super().__init__(f"rank {rank}: {source} notice{self.lead_text()}; {self.what()}")
+
+    def lead_text(self) -> str:
+        """``", N s before its deadline"``, or "" without a deadline."""
+        return f", {self.deadline_t - self.noticed_t:.1f} s before its deadline" if self.deadline_t else ""
+
+    def what(self) -> str:
+        """What was done at the notice, and how long after it."""
+        after = f"{self.committed_t - self.noticed_t:.1f} s after it"
+        if self.left:
+            return f"left the quorum after step {self.step}, {after}; the other replicas continued"
+        return f"checkpoint of step {self.step} committed {after}"
 
     def __reduce__(self):
         return (Preempted, (self.source, self.step, self.noticed_t, self.deadline_t,
-                            self.committed_t, self.ranks, self.rank))
+                            self.committed_t, self.ranks, self.rank, self.left))
 
     def as_event(self) -> dict[str, Any]:
-        """The fields of the controller's ``preemption`` event."""
-        return {"source": self.source, "checkpoint_step": self.step,
-                "noticed_t": self.noticed_t, "deadline_t": self.deadline_t,
-                "notice_lead_s": (round(self.deadline_t - self.noticed_t, 3)
-                                  if self.deadline_t else None),
-                "notice_to_commit_s": round(self.committed_t - self.noticed_t, 3),
-                "noticed_ranks": list(self.ranks)}
+        """The fields of the controller's ``preemption`` event: ``checkpoint_step`` and
+        ``notice_to_commit_s`` (``restart`` mode), or ``left_after_step``,
+        ``notice_to_leave_s`` and ``left_quorum: True`` (``per_step`` mode)."""
+        lead = round(self.deadline_t - self.noticed_t, 3) if self.deadline_t else None
+        took = round(self.committed_t - self.noticed_t, 3)
+        out = {"source": self.source, "noticed_t": self.noticed_t, "deadline_t": self.deadline_t,
+               "notice_lead_s": lead, "noticed_ranks": list(self.ranks)}
+        if self.left:
+            out.update({"left_quorum": True, "left_after_step": self.step, "notice_to_leave_s": took})
+        else:
+            out.update({"checkpoint_step": self.step, "notice_to_commit_s": took})
+        return out
 
 
 def preempted_in(exc: BaseException) -> Optional[Preempted]:

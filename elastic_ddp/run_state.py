@@ -77,6 +77,7 @@ class JobSpec:
     the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
     rank whose share is empty. ``diagnostics``: what a test or an experiment adds
     (:class:`Diagnostics`). ``preemption``: this Ray turns a notice into a checkpoint
+    (``restart`` mode) or a replica leaving its quorum (``per_step`` mode)
     (``compat.versions.preemption_supported``; ``elastic_ddp.worker.notice``).
     """
 

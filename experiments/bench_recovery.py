@@ -1,9 +1,11 @@
 """Recovery: plain torchrun (``--max-restarts``, the torchelastic anchor), elastic-ddp's
 ``restart`` mode and its ``per_step`` mode (torchft), the same job, a worker SIGKILLed
-every ``--kill-every`` seconds, on a local multi-node Ray cluster.
+(``--signal SIGTERM``: SIGTERMed, a preemption notice) every ``--kill-every`` seconds, on a
+local multi-node Ray cluster.
 
     .venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4 --max-bytes 3000000
     .venv/bin/python experiments/bench_recovery.py --duration 300 --kill-every 60
+    .venv/bin/python experiments/bench_recovery.py --modes per_step --signal SIGTERM
 
 The job: ``experiments/configs/bench_gpt.yaml`` (2-layer GPT, global batch 32, 2 workers of
 one thread each), as many steps as the uninterrupted job runs in ``--duration`` seconds
@@ -46,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "experiments/configs/bench_gpt.yaml"
 
 
-def _killer(pids_fn, every: float, stop: threading.Event, kills: list, seed: int = 0) -> None:
-    """Every ``every`` seconds SIGKILL one of ``pids_fn()`` at random; record the time."""
+def _killer(pids_fn, every: float, stop: threading.Event, kills: list, seed: int = 0,
+            sig: int = signal.SIGKILL) -> None:
+    """Every ``every`` seconds send ``sig`` to one of ``pids_fn()`` at random; record the time."""
     rng = random.Random(seed)
     while not stop.wait(every):
         pids = pids_fn()
@@ -55,7 +58,7 @@ def _killer(pids_fn, every: float, stop: threading.Event, kills: list, seed: int
             continue
         pid = rng.choice(sorted(pids))
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             kills.append({"t": time.time(), "pid": pid})
         except ProcessLookupError:
             pass
@@ -89,7 +92,8 @@ def _children(pid: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- torchrun
-def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, restarts: int) -> dict:
+def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, restarts: int,
+                 sig: int = signal.SIGKILL) -> dict:
     log = tmp / "steps.jsonl"
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
            f"--max-restarts={restarts}", str(ROOT / "experiments/torchrun_baseline.py"), CONFIG,
@@ -98,7 +102,7 @@ def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, rest
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop, kills = threading.Event(), []
-    th = threading.Thread(target=_killer, args=(lambda: _children(proc.pid), kill_every, stop, kills),
+    th = threading.Thread(target=_killer, args=(lambda: _children(proc.pid), kill_every, stop, kills, 0, sig),
                           daemon=True)
     th.start()
     out = proc.communicate()[0]
@@ -134,7 +138,8 @@ def _longest_gap(ts: list[float]) -> float:
 
 
 # ------------------------------------------------------------------------- elastic-ddp
-def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: float) -> dict:
+def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: float,
+                sig: int = signal.SIGKILL) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.driver.launcher import train
@@ -150,7 +155,8 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
         f"run.storage_path={tmp / 'ray'}", f"run.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
         f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}"])
     stop, kills = threading.Event(), []
-    th = threading.Thread(target=_killer, args=(_train_worker_pids, kill_every, stop, kills), daemon=True)
+    th = threading.Thread(target=_killer, args=(_train_worker_pids, kill_every, stop, kills, 0, sig),
+                          daemon=True)
     t0 = time.time()
     th.start()
     try:
@@ -193,7 +199,9 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     lost_n = sum(e["lost"] for e in done)
     return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
             "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
-            **({"longest_gap_any_s": max(any_gaps)} if mode == "per_step" else {}),
+            # per_step: replica shares computed in a quorum that did not commit (redone).
+            **({"longest_gap_any_s": max(any_gaps), "uncommitted_shares": rep["uncommitted_attempts"]}
+               if mode == "per_step" else {}),
             "startup": s.startup,
             "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
@@ -204,7 +212,10 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--ckpt-every", type=int, default=20)
     ap.add_argument("--modes", default="torchrun,restart,per_step")
+    ap.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"],
+                    help="what a worker gets: a crash, or a preemption notice")
     args = ap.parse_args()
+    sig = getattr(signal, args.signal)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
     with tempfile.TemporaryDirectory(prefix="bench-recovery-cal-") as tmp:
@@ -220,7 +231,7 @@ def main() -> int:
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-recovery-{mode}-") as tmp:
             if mode == "torchrun":
-                r = run_torchrun(Path(tmp), steps, args.ckpt_every, args.kill_every, 100)
+                r = run_torchrun(Path(tmp), steps, args.ckpt_every, args.kill_every, 100, sig)
             else:
                 c = Cluster()
                 c.add_node(num_cpus=1, include_dashboard=False)
@@ -229,14 +240,14 @@ def main() -> int:
                 c.wait_for_nodes()
                 ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
                 try:
-                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every)
+                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every, sig)
                 finally:
                     ray.shutdown()
                     c.shutdown()
         rows[mode] = r
         print(mode, json.dumps(r), flush=True)
 
-    print(f"\nbench_gpt, 2 workers, {steps} steps, a worker SIGKILLed every {args.kill_every:.0f} s, "
+    print(f"\nbench_gpt, 2 workers, {steps} steps, a worker {args.signal}ed every {args.kill_every:.0f} s, "
           f"checkpoint every {args.ckpt_every} steps, load average {os.getloadavg()[0]:.1f}")
     print(f"{'mode':>9} {'cmd->1st s':>10} {'kills':>5} {'kill->1st s (median/max)':>24} "
           f"{'longest gap s':>13} {'goodput':>8}  samples")

@@ -218,7 +218,8 @@ def train_ids(data: Path):
 
 def max_step(ledger: Path, world_size: int | None = None) -> int:
     """The highest step any rank-0 ledger file has recorded (of attempts at
-    ``world_size`` when given); 0 when none yet."""
+    ``world_size`` when given; a per-step ledger's last line may be a commit); 0 when
+    none yet."""
     best = 0
     for f in ledger.glob("attempt-*-rank0.jsonl"):
         lines = f.read_text().splitlines()
@@ -231,7 +232,7 @@ def max_step(ledger: Path, world_size: int | None = None) -> int:
             continue
         if world_size is not None and head.get("world_size") != world_size:
             continue
-        best = max(best, int(last.get("step", 0)))
+        best = max(best, int(last.get("step", last.get("commit", 0))))
     return best
 
 

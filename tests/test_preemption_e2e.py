@@ -10,6 +10,11 @@ finish with 0 samples lost or repeated, its preemption in the recovery table wit
 recomputed, ``scaling.max_failures: 0`` (a preemption does not spend it), and the
 uninterrupted job's final model (``baseline``) to float tolerance.
 
+The ``per_step`` jobs (2 torchft replicas, a step commits with 1) get SIGTERM to one
+worker and a drain of one worker's node: that replica leaves its quorum after a
+committed step, the other commits every step on without redoing one (the per-step audit:
+no uncommitted share), and Ray replaces the one that left.
+
 Slow tier (``-m slow``): each job pays Ray Train's start-up twice on this cluster.
 """
 
@@ -226,6 +231,136 @@ def test_sigterm_to_one_worker_is_checkpointed_before_it_exits(cluster, data, ba
     manifest = Path(cfg.run.storage_path) / "sigterm" / f"checkpoint_step{ev['checkpoint_step']:08d}" / "manifest.json"
     assert manifest.is_file() and manifest.stat().st_mtime <= gone, (manifest, gone)
     assert ev["notice_lead_s"] is None and len(ev["noticed_ranks"]) == 1, ev
+
+
+# ---------------------------------------------------------------------- per-step mode
+PER_STEP = {"scaling": {"fault_tolerance": "per_step", "min_workers": 1, "max_workers": 2,
+                        "health_check_interval_s": 0.2}}
+
+
+def _per_step_job(data: Path, tmp: Path, name: str):
+    from elastic_ddp.config import Config
+
+    return Config.from_dict(_deep_update(_raw(data, tmp, name), PER_STEP))
+
+
+def _ledger_files(ledger: Path) -> list[tuple[dict, list[dict]]]:
+    out = []
+    for f in sorted(ledger.glob("attempt-*.jsonl")):
+        recs = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
+        out.append((recs[0], recs[1:]))
+    return out
+
+
+def _check_per_step(summary, baseline, ledger: Path, data: Path, source: str) -> dict:
+    """A per-step job that one replica left on a notice finished exactly: the per-step
+    audit clean with no step redone, one preemption of ``source`` (RETRY, left the
+    quorum, 0 steps recomputed, in the summary and the MLflow run's recovery table), the
+    leaver's last commit the step it left after, the survivor committing every step
+    through the leave, the baseline's final model. Returns the event, with the
+    survivor's gap around the leave as ``survivor_gap_s``."""
+    report = audit(ledger, train_ids(data), EPOCHS)
+    print(format_audit(report))
+    for ep, e in report["epochs"].items():
+        assert (e["repeated"], e["lost"], e["unknown"], e["steps"]) == (0, 0, 0, STEPS // EPOCHS), (ep, e)
+    assert report["ok"] and not report["problems"], report["problems"]
+    assert report["uncommitted_attempts"] == 0, report["uncommitted_attempts"]  # no step redone
+    assert summary.steps == STEPS
+    (ev,) = [e for e in summary.events if e["type"] == "preemption"]
+    print(json.dumps(ev, indent=1, default=str))
+    assert not [e for e in summary.events if e["type"] == "failure"], summary.events
+    assert ev["source"] == source and ev["decision"] == "RETRY" and ev["left_quorum"], ev
+    step = ev["left_after_step"]
+    assert 0 < step < STEPS and (ev["resumed_at_step"], ev["steps_recomputed"]) == (step, 0), ev
+    from mlflow.tracking import MlflowClient
+
+    with tempfile.TemporaryDirectory() as d:
+        rows = json.loads(Path(MlflowClient(summary.tracking_uri).download_artifacts(
+            summary.run_id, "events/recovery.json", d)).read_text())
+    rows = rows if isinstance(rows, list) else [dict(zip(rows["columns"], r)) for r in rows["data"]]
+    assert [(r["type"], r["steps_recomputed"]) for r in rows] == [("preemption", 0)], rows
+    # Three replica processes: the one that left, its replacement, and the survivor.
+    files = _ledger_files(ledger)
+    (rank,) = ev["noticed_ranks"]
+    commits = [(h, [r for r in recs if "commit" in r]) for h, recs in files]
+    left_t = ev["noticed_t"] + ev["notice_to_leave_s"]
+    (leaver,) = [c for h, c in commits if h["rank"] == rank and h["t"] < left_t]
+    assert leaver[-1]["commit"] == step, leaver[-3:]
+    (survivor,) = [c for h, c in commits if h["rank"] != rank]
+    mine = [c["commit"] for c in survivor]
+    assert mine == list(range(mine[0], STEPS + 1)) and mine[0] < step, mine[:5]
+    before = max(c["t"] for c in survivor if c["commit"] <= step)
+    after = min(c["t"] for c in survivor if c["commit"] > step)
+    ev["survivor_gap_s"] = after - before
+    (replacement,) = [c for h, c in commits if h["rank"] == rank and h["t"] > left_t]
+    assert replacement and replacement[-1]["commit"] == STEPS, replacement[-2:]
+    got, ref = model_state(summary.checkpoint_path), model_state(baseline.checkpoint_path)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), \
+            (k, float((got[k].float() - ref[k].float()).abs().max()))
+    return ev
+
+
+def test_per_step_sigterm_to_one_worker_leaves_the_quorum_after_a_committed_step(cluster, data, baseline, tmp_path):
+    """Per-step mode: one worker process gets SIGTERM: its replica takes part in one more
+    step and leaves the quorum after it; the other replica commits every step through it
+    without redoing one, and Ray replaces the one that left, which heals and joins."""
+    ledger = tmp_path / "ledger"
+    cfg = _per_step_job(data, tmp_path, "ps-sigterm")
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+                                          progress=False))
+    wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
+    assert th.is_alive(), result
+    pid = sorted(w["pid"] for w in _workers())[-1]
+    os.kill(pid, signal.SIGTERM)
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    ev = _check_per_step(result["summary"], baseline, ledger, data, "sigterm")
+    assert ev["notice_lead_s"] is None and ev["notice_to_leave_s"] < 5, ev
+    print(f"[per_step sigterm] the survivor's gap around the leave: {ev['survivor_gap_s']:.2f} s "
+          f"(a step: >= {SLOW['step_s']} s)")
+
+
+def test_per_step_a_node_drained_with_a_20s_deadline_loses_its_replica_at_a_step_boundary(
+        cluster, data, baseline, tmp_path):
+    """Per-step mode: the node of one worker is drained with a 20 s deadline (and removed
+    when it passes): that replica sees the drain (its own poll of the GCS), leaves the
+    quorum after a committed step well before the deadline, the other trains on alone,
+    and the replacement starts on the spare node once the drained node is gone, heals
+    and joins."""
+    ledger = tmp_path / "ledger"
+    cfg = _per_step_job(data, tmp_path, "ps-drained")
+    # 1 s steps: the survivor still trains when the replacement starts, after the deadline
+    # (the drained node holds the replica's placement-group bundle until it is gone).
+    slow = {**SLOW, "step_s": 1.0}
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=slow),
+                                          progress=False))
+    wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
+    assert th.is_alive(), result
+    node_id = sorted(w["node_id"] for w in _workers())[0]
+    t_drain = time.time()
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                          "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                          "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "20"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_until(lambda: time.time() > t_drain + 20, 60)
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    cluster.remove_node(node)
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    ev = _check_per_step(result["summary"], baseline, ledger, data, "drain")
+    assert ev["notice_lead_s"] is not None and 0 < ev["notice_lead_s"] <= 20, ev
+    assert ev["node_ids"] == [node_id], ev
+    assert ev["noticed_t"] + ev["notice_to_leave_s"] < t_drain + 20, ev  # left before the deadline
+    print(f"[per_step drain] the survivor's gap around the leave: {ev['survivor_gap_s']:.2f} s; "
+          f"left {ev['notice_to_leave_s']:.1f} s after the notice, {ev['notice_lead_s']:.1f} s before the deadline")
+    add_node(cluster, num_cpus=2)  # the module's next jobs keep their spare node
 
 
 DRIVER = textwrap.dedent("""

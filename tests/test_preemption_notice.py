@@ -196,6 +196,33 @@ def test_a_committed_notice_is_a_preemption_event_naming_node_lead_time_and_step
     assert events.open_failure["type"] == "preemption"  # the restart's world sizes settle on it
 
 
+def test_a_per_step_replica_that_left_is_a_preemption_with_no_step_recomputed(sink):
+    """Per-step mode: one replica's ``Preempted(left=True)`` (the others kept going) is
+    charged to the preemption budget with ``max_failures: 0``; its event names the
+    replica, its node and the step it left after, with 0 steps recomputed, which the
+    driver's restart join (``report.recovery_events``) leaves as it is even though a
+    worker-group attempt started after it."""
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+
+    from elastic_ddp.driver.report import recovery_events
+
+    events, ctrl, tracker = sink
+    t = time.time()
+    left = Preempted("sigterm", 12, t - 1.5, None, t, (1,), 1, left=True)
+    back = pickle.loads(pickle.dumps(left))
+    assert (back.left, back.step, back.ranks) == (True, 12, (1,)) and "left the quorum after step 12" in str(back)
+    _decide(events, ctrl, {1: left}, FailureDecision.RETRY)
+    (ev,) = tracker.events
+    assert ev["type"] == "preemption" and ev["decision"] == "RETRY" and ev["failed_ranks"] == [1], ev
+    assert ev["left_quorum"] and ev["left_after_step"] == 12 and "checkpoint_step" not in ev, ev
+    assert (ev["resumed_at_step"], ev["steps_recomputed"]) == (12, 0), ev
+    assert ev["nodes"] == ["10.0.0.2"] and ev["notice_to_leave_s"] == pytest.approx(1.5, abs=0.01), ev
+    assert "left the quorum after step 12" in ev["cause"] and "the other replicas continued" in ev["cause"], ev
+    # A later attempt start (world rank 0 restarting from an older checkpoint) is not this event's restart.
+    (joined,) = recovery_events({"events": [ev], "attempts": [{"first_step": t + 5, "resumed_from": 0}]})
+    assert (joined["resumed_at_step"], joined["steps_recomputed"]) == (12, 0) and "recovery_s" not in joined
+
+
 def test_the_drivers_stop_ends_the_run_instead_of_restarting(sink):
     from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
 
@@ -262,3 +289,137 @@ def test_the_preemption_support_follows_the_ray_release():
     line = preemption_notice_line(ray_plan("2.59.0"))
     assert not preemption_supported(ray_plan("2.59.0")) and "handled as a crash" in line
     assert "warning" not in line  # not the untested-release warning (test_ray_versions)
+
+
+# ------------------------------------- per-step mode: a noticed replica leaves its quorum
+REPLICA = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch
+    from torch.distributed import TCPStore
+    from elastic_ddp.notice import Preempted
+    from elastic_ddp.worker.fault_tolerance import ReplicaGroup
+    from elastic_ddp.worker.notice import ReplicaLeave, install_sigterm_handler
+
+    rank, lighthouse, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    steps, step_s = int(sys.argv[4]), float(sys.argv[5])
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHFT_LIGHTHOUSE=lighthouse)
+    w = torch.nn.Parameter(torch.zeros(4096))
+    group = ReplicaGroup(rank, 2, torch.device("cpu"), 1, lambda: {"w": w.detach().clone()},
+                         lambda s: w.data.copy_(s["w"]), collective_timeout_s=20)
+    install_sigterm_handler()            # this process's main thread, as in a Ray worker
+    leave = ReplicaLeave(rank, 2, install=False, log=lambda line: None)
+    out = open(log, "w")
+    last = 0                             # the last step this replica committed
+    while last < steps:
+        try:
+            participant, n = group.begin(leave, last)     # as PerStepFaultTolerance.begin_step
+        except Preempted as e:
+            out.write(json.dumps({"left": e.step, "t": e.committed_t, "event": e.as_event()}) + "\\n")
+            out.close()
+            sys.exit(0)
+        time.sleep(step_s)               # the step's compute
+        w.grad = torch.full_like(w, float(rank + 1)) if participant is not None else None
+        group.allreduce_gradients([w])
+        ok = group.commit()
+        if ok:
+            with torch.no_grad():
+                w -= 0.01 * w.grad
+            last = group.step
+        out.write(json.dumps({"step": last, "ok": ok, "n": n, "quorum": group.quorum_id,
+                              "t": time.time()}) + "\\n")
+        out.flush()
+    group.shutdown()
+""")
+STEP_S = 0.2
+
+
+def _replicas(tmp_path, steps: int):
+    from torchft.coordination import LighthouseServer
+
+    from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
+
+    lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RUST_LOG": "warn"}
+    logs = [tmp_path / f"replica{r}.jsonl" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), lighthouse.address(), str(logs[r]),
+                               str(steps), str(STEP_S)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    return lighthouse, procs, logs
+
+
+def _lines(path) -> list[dict]:
+    import json
+
+    if not path.exists():
+        return []
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            out.append(json.loads(ln))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other_redoes_none(tmp_path, how):
+    """Two real torchft replicas (ReplicaGroup, gloo, a real lighthouse with LIGHTHOUSE's
+    settings), STEP_S a step. SIGTERM to one: its next step is its last (its Manager
+    stops once that step's quorum is decided), it leaves after it, the other's next
+    quorum forms without it and it redoes no step. SIGKILL, for comparison: the step in
+    flight fails and is redone. Both print the survivor's longest gap between two
+    committed steps."""
+    from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
+
+    lighthouse, procs, logs = _replicas(tmp_path, steps=30)
+    try:
+        def together() -> bool:
+            return all(sum(1 for r in _lines(f) if r.get("n") == 2 and r.get("ok")) >= 6 for f in logs) \
+                or any(p.poll() is not None for p in procs)
+
+        deadline = time.time() + 120
+        while not together() and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        t_signal = time.time()
+        os.kill(procs[1].pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        procs[1].wait(timeout=60)
+        out0, err0 = procs[0].communicate(timeout=120)
+        assert procs[0].returncode == 0, err0[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+    survivor, leaver = _lines(logs[0]), _lines(logs[1])
+    alone = [r for r in survivor if r["t"] > t_signal and r["n"] == 1]
+    assert alone and all(r["ok"] for r in alone), survivor[-5:]
+    redone = [r for r in survivor if not r["ok"]]
+    ts = [r["t"] for r in survivor if r["ok"]]
+    gap = max(b - a for a, b in zip(ts, ts[1:]) if b > t_signal)
+    print(f"\n[{how}] the survivor's longest gap between two committed steps: {gap * 1e3:.0f} ms "
+          f"(a step: {STEP_S * 1e3:.0f} ms; heartbeat timeout {LIGHTHOUSE['heartbeat_timeout_ms']} ms); "
+          f"steps redone: {len(redone)}")
+    if how == "sigkill":
+        assert procs[1].returncode == -signal.SIGKILL
+        return
+    assert procs[1].returncode == 0
+    (left,) = [r for r in leaver if "left" in r]
+    mine = [r for r in leaver if r.get("ok")]
+    # It left right after its last step, which both replicas committed in one quorum.
+    assert left["left"] == mine[-1]["step"], (left, mine[-3:])
+    assert left["event"]["left_quorum"] and left["event"]["source"] == "sigterm", left
+    (same,) = [r for r in survivor if r["step"] == left["left"] and r["ok"]]
+    assert (same["n"], same["quorum"]) == (2, mine[-1]["quorum"]), (same, mine[-1])
+    # Nothing redone, every step once: the survivor's committed steps run on without a hole.
+    assert redone == [], redone
+    steps = [r["step"] for r in survivor]
+    assert steps == list(range(steps[0], steps[0] + len(steps))), steps
+    # The wait: the rest of the leaver's heartbeat timeout after one step (no collective
+    # timeout, no failed step).
+    assert gap < STEP_S + LIGHTHOUSE["heartbeat_timeout_ms"] / 1000 + 0.5, gap

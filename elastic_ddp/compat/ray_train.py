@@ -20,9 +20,17 @@ except ImportError:  # a Ray release that moved them: ControllerEvents only has 
     class WorkerGroupCallback:  # type: ignore[no-redef]
         pass
 
-__all__ = ["ControllerCallback", "WorkerGroupCallback", "actor_death_time", "count_notices_as_preemptions",
-           "local_preemption_info", "retry_worker_deaths_at_start", "run_in_main_thread",
-           "take_preemption", "tell_workers", "user_error"]
+try:
+    # A replica group started or replaced alone (per-step mode): after_replica_group_start.
+    from ray.train.v2._internal.execution.callback import ReplicaGroupCallback
+except ImportError:
+    class ReplicaGroupCallback:  # type: ignore[no-redef]
+        pass
+
+__all__ = ["ControllerCallback", "ReplicaGroupCallback", "WorkerGroupCallback", "actor_death_time",
+           "count_notices_as_preemptions", "local_preemption_info", "node_drain",
+           "retry_worker_deaths_at_start", "run_in_main_thread", "take_preemption", "tell_workers",
+           "user_error"]
 
 
 def retry_worker_deaths_at_start() -> None:
@@ -64,7 +72,8 @@ def actor_death_time(actor_id: Optional[str]) -> Optional[float]:
 
 # ------------------------------------------------------------------ preemption (Ray 2.60)
 # What these buy: a notice (node drain, a worker's SIGTERM, the driver's stop) becomes a
-# checkpoint at the next step boundary and a restart charged to the preemption budget
+# checkpoint at the next step boundary (restart mode) or a replica leaving its quorum
+# there (per-step mode), and a restart or replacement charged to the preemption budget
 # (FailureConfig.max_preemption_failures), not to max_failures. Version guard:
 # compat.versions.PREEMPTION_RAY (and preemption_supported); elsewhere none is called.
 
@@ -139,6 +148,25 @@ def local_preemption_info() -> Optional[dict]:
         return None
     return {"deadline_t": info.deadline_ms / 1000.0 if info.deadline_ms else None,
             "nodes": list(info.preempted_node_ids), "ranks": list(info.preempted_ranks)}
+
+
+def node_drain(node_id: str) -> Optional[dict]:
+    """Whether Ray Core is draining node ``node_id`` (hex): ``{"deadline_t": s or
+    None}``, or None (not draining, or the GCS did not answer).
+
+    One GCS call (``ray._private.state.state.get_draining_nodes``, what Ray Train's
+    preemption watcher polls; Ray has no public API for it). Per-step mode's replicas
+    ask it themselves: Ray Train runs no watcher for replica groups."""
+    try:
+        import ray._private.state as state
+
+        drained = state.state.get_draining_nodes() or {}
+    except Exception:  # noqa: BLE001 - no notice is the safe answer; asked again next poll
+        return None
+    if node_id not in drained:
+        return None
+    deadline_ms = drained[node_id]  # 0: no deadline
+    return {"deadline_t": deadline_ms / 1000.0 if deadline_ms else None}
 
 
 def run_in_main_thread(fn, *args):

@@ -45,3 +45,9 @@ def quorum_id(manager, fallback: int) -> int:
         _log.warning("torchft %s is not %s (tested): the per-step ledger keys shares by this "
                      "replica's own quorum count", _version(), TESTED_TORCHFT)
     return int(fallback)
+
+
+def quorum_id_is_exact() -> bool:
+    """Whether :func:`quorum_id` is the lighthouse's id on this torchft (a new id: the
+    members changed), not the fallback count."""
+    return _version() == TESTED_TORCHFT

@@ -133,7 +133,7 @@ def preemption_notice_line(plan: RayPlan) -> Optional[str]:
         return None
     return (f"elastic-ddp: Ray {plan.version} has no preemption support elastic-ddp uses "
             f"(Ray {PREEMPTION_RAY[0]}): a node drain or SIGTERM is handled as a crash "
-            "(resume from the newest checkpoint, counted in scaling.max_failures)")
+            "(counted in scaling.max_failures)")
 
 
 _warned: set[str] = set()

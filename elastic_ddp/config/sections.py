@@ -236,10 +236,12 @@ class ScalingConfig(Section):
     )
     preemption_checkpoint: bool = Field(
         True, description=(
-            "restart mode, Ray 2.60: on a notice (node drain, a worker's or the driver's "
+            "Ray 2.60. restart mode: on a notice (node drain, a worker's or the driver's "
             "SIGTERM) every rank learns it at the next step boundary (one small all-reduce "
             "per step), commits a checkpoint there and the job restarts from it (the "
-            "driver's: stops, exit 143). false: a notice is handled as a crash."),
+            "driver's: stops, exit 143). per_step mode: the replica on a drained node or "
+            "with a SIGTERM leaves its quorum at the next step boundary, the others "
+            "continue and Ray replaces it. false: a notice is handled as a crash."),
     )
     fault_tolerance: Literal["restart", "per_step"] = Field(
         "restart", description=(

@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional
 from ray.train.v2.api.callback import UserCallback
 
 from elastic_ddp import notice
-from elastic_ddp.compat.ray_train import (ControllerCallback, WorkerGroupCallback, actor_death_time,
-                                          count_notices_as_preemptions, retry_worker_deaths_at_start,
-                                          take_preemption, tell_workers)
+from elastic_ddp.compat.ray_train import (ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback,
+                                          actor_death_time, count_notices_as_preemptions,
+                                          retry_worker_deaths_at_start, take_preemption, tell_workers)
 
 from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
                                              stops_at_once, stragglers)
@@ -41,7 +41,8 @@ class StopRequested(RuntimeError):
 class ElasticEvents(UserCallback):
     """Records failures and preemptions, and stops the job on deterministic errors and on
     the driver's stop (raising from a callback makes Ray Train fail the run without
-    retrying: a ControllerError). ``preemption``: notices are checkpointed and counted as
+    retrying: a ControllerError). ``preemption``: notices are checkpointed (``restart``
+    mode) or make a replica leave its quorum (``per_step`` mode) and are counted as
     preemptions (``compat.versions.preemption_supported``)."""
 
     def __init__(self, tracker, run_name: Optional[str] = None, storage: Optional[str] = None,
@@ -157,10 +158,13 @@ class ElasticEvents(UserCallback):
         if first is not None:
             event.update(first.as_event())
             event["noticed_ranks"] = ranks
-            lead = f", {first.deadline_t - first.noticed_t:.1f} s before its deadline" if first.deadline_t else ""
-            event["cause"] = (f"{first.source} notice (ranks {ranks}, nodes {', '.join(nodes) or '?'}){lead}: "
-                              f"checkpoint of step {first.step} committed "
-                              f"{first.committed_t - first.noticed_t:.1f} s after it")
+            event["cause"] = (f"{first.source} notice (ranks {ranks}, nodes {', '.join(nodes) or '?'})"
+                              f"{first.lead_text()}: {first.what()}")
+            if first.left:
+                # Per-step mode: the others never stopped; the step it left after was
+                # committed by its whole quorum, so nothing is recomputed (the restart
+                # join of driver.report does not apply: no attempt restarts).
+                event.update({"resumed_at_step": first.step, "steps_recomputed": 0})
         else:
             event.update({"source": "drain", "notice_lead_s": None, "fell_back": True})
             event["cause"] = (f"node(s) {', '.join(nodes) or '?'} preempted before a checkpoint at the "
@@ -257,7 +261,15 @@ class ElasticEvents(UserCallback):
             pass
 
 
-class ControllerEvents(ControllerCallback, WorkerGroupCallback):
+def _worker_meta(workers) -> Dict[int, Dict[str, Any]]:
+    """rank -> {node_id, node_ip, pid, hostname} of Ray Train ``Worker`` objects."""
+    return {(w.distributed_context.world_rank if w.distributed_context else i):
+            {"node_id": w.metadata.node_id, "node_ip": w.metadata.node_ip,
+             "pid": w.metadata.pid, "hostname": w.metadata.hostname}
+            for i, w in enumerate(workers)}
+
+
+class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Feeds Ray Train's failure and resize decisions (elastic grow/shrink) and its
     worker-group start marks to the ``ElasticEvents`` sink. A separate object because Ray
     Train routes a callback that is a ``UserCallback`` only to the user hooks."""
@@ -287,16 +299,22 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
             tell_workers(worker_group, notice.request_stop)
         try:
             workers = worker_group.get_workers()
-            self.sink.workers = {
-                (w.distributed_context.world_rank if w.distributed_context else i):
-                    {"node_id": w.metadata.node_id, "node_ip": w.metadata.node_ip,
-                     "pid": w.metadata.pid, "hostname": w.metadata.hostname}
-                for i, w in enumerate(workers)}
+            self.sink.workers = _worker_meta(workers)
             if self.sink._last_world_size is None:
                 # The first group: a failure before its first report has this size.
                 self.sink._last_world_size = len(workers)
         except Exception:  # noqa: BLE001 - bookkeeping only
             self.sink.workers = {}
+
+    def after_replica_group_start(self, replica_group) -> None:
+        # Per-step mode: one replica replaced alone (no worker-group start): its node and
+        # pid, for the next failure's or notice's event.
+        try:
+            workers = replica_group.get_workers()
+            if workers and all(w.distributed_context for w in workers):
+                self.sink.workers.update(_worker_meta(workers))
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            pass
 
     def before_worker_group_shutdown(self, worker_group) -> None:
         # A restart's teardown: from here to worker_group_stopped.

@@ -40,6 +40,17 @@ class TrainingError(RuntimeError):
     run is closed as FAILED with the error as a tag; the last checkpoint is kept."""
 
 
+_env_written: dict[str, str] = {}
+
+
+def _env_default(name: str, value: str) -> None:
+    """``os.environ[name] = value`` unless someone else set it: a value this process's
+    jobs wrote is theirs to change (a restart-mode job after a per-step one in the same
+    process gets its watcher back), one a person set is kept."""
+    if os.environ.get(name) in (None, _env_written.get(name)):
+        os.environ[name] = _env_written[name] = value
+
+
 def _storage_path(cfg: Config) -> str:
     from elastic_ddp.paths import is_uri, local_path
 
@@ -151,15 +162,19 @@ def build_trainer(cfg: Config, job, tracker):
     # A frozen worker (alive, not polling) is declared dead after this (Ray's default
     # 600 s would leave a per-step job short of a replica for ten minutes).
     os.environ.setdefault("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "60")
-    # Ray Train's preemption watcher (one more actor process per worker-group start)
-    # tells the workers of a node drain, polling the GCS every second: a notice becomes a
-    # checkpoint (worker.notice). Off where notices are handled as crashes.
-    preempt = preemption_supported(plan) and s.preemption_checkpoint and s.fault_tolerance == "restart"
+    # A notice becomes a checkpoint (restart mode) or a replica leaving its quorum
+    # (per_step mode), charged to the preemption budget (worker.notice). Ray Train's
+    # preemption watcher (one more actor process per worker-group start) tells restart
+    # mode's workers of a node drain, polling the GCS every second; Ray Train runs none
+    # for replica groups, whose replicas poll for their own node. Off where notices are
+    # handled as crashes.
+    preempt = preemption_supported(plan) and s.preemption_checkpoint
     if job is not None:  # the workers' JobSpec (None: a trainer built only to be inspected)
         job.preemption = preempt
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1" if preempt else "0")
+    _env_default("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                 "1" if preempt and s.fault_tolerance == "restart" else "0")
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    if s.preemption_checkpoint and s.fault_tolerance == "restart" and preemption_notice_line(plan):
+    if s.preemption_checkpoint and preemption_notice_line(plan):
         print(preemption_notice_line(plan), flush=True)
     use_gpu = s.use_gpu if s.use_gpu != "auto" else ray.cluster_resources().get("GPU", 0) > 0
     num_workers: Any = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
@@ -325,7 +340,9 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         if host is not None:
             trainer.controller_host = host
         marks["fit_called"] = time.time()
-        stop = SigtermStop(host, enabled=job.preemption)  # SIGTERM: a checkpoint, then exit 143
+        # SIGTERM: a checkpoint, then exit 143 (restart mode; in per_step mode SIGTERM ends
+        # the driver as it would without elastic-ddp).
+        stop = SigtermStop(host, enabled=job.preemption and cfg.scaling.fault_tolerance == "restart")
         try:
             # Without progress lines it still prints the tracker's warnings (data wait).
             with ProgressDisplay(tracker, total, show=progress), stop:

@@ -65,7 +65,8 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
     Per event: ``recovery_s`` = first step of the next attempt - the event's time
     (worker start, checkpoint load, data and the first step included);
     ``resumed_at_step``; ``steps_recomputed`` = steps the failed attempt ran past the
-    checkpoint the next one resumed from. From the ledger (``ledger_attempts``,
+    checkpoint the next one resumed from (a per-step replica's leave, ``left_quorum``,
+    keeps its own: 0). From the ledger (``ledger_attempts``,
     ``elastic_ddp.ledger.read_attempts``) it is exact; without it, a lower bound from the
     steps the tracker saw (logged every ``train.log_every_steps``).
     """
@@ -75,7 +76,10 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
     prev_attempt = None
     for ev in events:
         nxt = [a for a in attempts if a["first_step"] > ev["t"]]
-        if not nxt or ev.get("type") == "checkpoint_rejected":  # not a restart
+        # Not a restart: a rejected checkpoint, or a per-step replica that left its quorum
+        # (the others never stopped; the event carries its own resumed_at_step and
+        # steps_recomputed).
+        if not nxt or ev.get("type") == "checkpoint_rejected" or ev.get("left_quorum"):
             continue
         ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
         ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))

@@ -55,7 +55,8 @@ def train_func(loop_config: dict) -> None:
         trainer.fit()
         trainer.finish()
     except Preempted:
-        # Not an error: the checkpoint at a notice is committed (elastic_ddp.notice).
+        # Not an error: the checkpoint at a notice is committed, or (per-step mode) the
+        # replica left its quorum (elastic_ddp.notice).
         if trainer is not None:
             trainer.position.close()
         raise

@@ -20,7 +20,19 @@ The settings and the three torchft/Ray pitfalls the recipe avoids (docs/design.m
   starting never reaches: durable checkpoints are reported only by a full quorum; a
   final state written by a partial quorum goes straight to storage;
 - a replacement that starts after the others finished would form a quorum alone at step 0
-  and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it.
+  and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it
+  (checked before its first quorum, and after every quorum it is alone in: the last
+  replica may finish while the replacement starts).
+
+A notice (this worker's SIGTERM, a drain of its node) makes the replica's next step its
+last (``worker.notice.ReplicaLeave``, ``ReplicaGroup.begin``): it takes part in that step
+but stops its torchft Manager (its heartbeat) as soon as the step's quorum is decided
+(after the step's all-reduce where the quorum's members changed: a healer needs the
+source's Manager), and leaves at the boundary after it (and after the checkpoint there,
+if one is due). The others' next quorum forms without it once its last heartbeat is
+``heartbeat_timeout_ms`` old, which the step it still computed hides in part (all of it
+for steps longer than the timeout); no step is redone, and Ray replaces it as after a
+crash, charged to ``scaling.max_preemptions``.
 
 Costs: one flat gradient copy and a torchft quorum (a few ms) per step; ``parallel.strategy``
 must be ``ddp`` without a comm hook (torchft replicates the model; no sharding). The logged
@@ -91,11 +103,56 @@ class ReplicaGroup:
         self.participant: Optional[int] = None
         self.participants = 0
         self._tries = (-1, 0)  # (committed step, quorums joined at it): compat's fallback id
+        # Whether this step's quorum may differ in members from the previous one (a
+        # replica joined or left: one may heal from this one during the quorum).
+        self.changed = True
 
     # -- one step ---------------------------------------------------------------------------
+    def begin(self, leave=None, step: int = 0) -> tuple[Optional[int], int]:
+        """This step's :meth:`quorum`, or with a notice held by ``leave`` (a
+        ``worker.notice.ReplicaLeave``; None: notices are crashes) this replica's last
+        step: it takes part (the quorum already counts it), but its Manager, whose
+        heartbeat keeps it in the lighthouse's view, stops as soon as the quorum is
+        decided when the members are the last step's (none heals from it: a healer asks
+        the source's Manager during the quorum), else after the step's all-reduce
+        (:meth:`commit`). The lighthouse's heartbeat timeout then runs while the step
+        computes, not while the others wait for their next quorum. ``step``: the last
+        step this replica committed.
+
+        A replica that has joined no quorum yet leaves at once.
+
+        Raises:
+            Preempted: at the first call after the last step (``left=True``)."""
+        if leave is None:
+            return self.quorum()
+        if self.leaving:  # the last step is done (and the checkpoint after it, if one was due)
+            leave.check(step, before_leave=self.shutdown)
+        if leave.held() is None:
+            return self.quorum()
+        if self.participants == 0:  # in no quorum yet: nothing to finish, leave at once
+            leave.check(step, before_leave=self.shutdown)
+        got = self.quorum()
+        self.leaving = True
+        if not self.changed:
+            self.shutdown()
+        return got
+
+    leaving = False  # this replica's last step is under way or done
+
+    def commit(self) -> bool:
+        """After the step's all-reduce: whether it may be applied (``should_commit``);
+        the Manager stops here in a last step where :meth:`begin` did not stop it."""
+        ok = self.should_commit()
+        if self.leaving:
+            self.shutdown()
+        return ok
+
     def quorum(self) -> tuple[Optional[int], int]:
         """Start this step's quorum and wait for it: (this replica's rank among the step's
         participants, or None while it heals; the number of participants)."""
+        from elastic_ddp.compat.torchft import quorum_id_is_exact
+
+        before = self.quorum_id if self.participants else None
         self.manager.start_quorum()
         self.participant = self.manager.participating_rank()
         self.participants = self.manager.num_participants()
@@ -104,6 +161,7 @@ class ReplicaGroup:
                                "an asynchronous quorum); its share would be lost")
         step = self.manager.current_step()
         self._tries = (step, self._tries[1] + 1 if self._tries[0] == step else 1)
+        self.changed = not quorum_id_is_exact() or before != self.quorum_id
         return self.participant, self.participants
 
     @property
@@ -116,7 +174,7 @@ class ReplicaGroup:
     @property
     def step(self) -> int:
         """Committed steps (the same on every participant once the quorum is decided)."""
-        return self.manager.current_step()
+        return self.manager.current_step() + self._uncounted[0]
 
     @property
     def full(self) -> bool:
@@ -153,10 +211,39 @@ class ReplicaGroup:
         return dict(zip(sums, flat[offset:].double().tolist()))
 
     def should_commit(self) -> bool:
+        """torchft's commit decision of this step. After :meth:`shutdown` (a leaving
+        replica's last step: its Manager server, which decides it, is gone) whether this
+        replica's all-reduce went through, which is then the others' decision too."""
+        if self._shut:
+            ok = self.manager.errored() is None
+            if ok:  # torchft's count of it (state_dict, step), which its should_commit keeps
+                self._uncounted = (self._uncounted[0] + 1, self._uncounted[1] + self.participants)
+            return ok
         return bool(self.manager.should_commit())
 
+    _uncounted = (0, 0)  # (steps, batches) committed after shutdown: torchft did not count them
+
+    def state_dict(self) -> dict:
+        """torchft's step counters (``Manager.state_dict``), with the steps committed
+        after :meth:`shutdown`."""
+        st = dict(self.manager.state_dict())
+        st["step"] += self._uncounted[0]
+        st["batches_committed"] += self._uncounted[1]
+        return st
+
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Stop this replica's torchft Manager (its heartbeat to the lighthouse stops);
+        a second call does nothing."""
+        if not self._shut:
+            self._shut = True
+            self.manager.shutdown(wait=False)
+
+    _shut = False
+
+
+class RunOver(Exception):
+    """A replica found the run finished by another (the done marker) once it was in a
+    quorum: it ends without training (``PerStepFaultTolerance.fit`` returns)."""
 
 
 def done_marker(storage: str, run_name: str) -> Optional[Path]:
@@ -247,6 +334,11 @@ class PerStepFaultTolerance:
                                   self._load_peer_state, s.collective_timeout_s)
         self.marker = done_marker(t.job.storage, t.cfg.run.name)
         self.roles = PerStepRoles(t.rank, self.group)
+        # A notice (this worker's SIGTERM, a drain of its node): leave the quorum at the
+        # next step boundary (None: handled as a crash).
+        from elastic_ddp.worker.notice import build_leave
+
+        self.leave = build_leave(t)
 
     # -- torchft's view of the state: what a healing replica receives ----------------
     def _peer_state(self) -> dict:
@@ -267,7 +359,7 @@ class PerStepFaultTolerance:
         # (fit) serves it if it is in the same epoch (RankLoader.ensure).
 
     def state_dict(self) -> dict:
-        return {"torchft": self.group.manager.state_dict()}
+        return {"torchft": self.group.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if "torchft" in state:
@@ -276,8 +368,18 @@ class PerStepFaultTolerance:
     # -- a step --------------------------------------------------------------------------
     def begin_step(self) -> tuple[Optional[int], int]:
         """This step's quorum: (this replica's participant rank, None while it heals;
-        the number of participants)."""
-        return self.group.quorum()
+        the number of participants); with a notice held, this replica's last step
+        (``ReplicaGroup.begin``).
+
+        Raises:
+            Preempted: at the boundary after the last step (``left=True``).
+            RunOver: alone in its quorum after another replica finished the run (a
+                replacement that passed the done-marker check in ``fit`` just before the
+                last replica finished: alone it would retrain the run from step 0)."""
+        got = self.group.begin(self.leave, self.t.progress.step)
+        if self.group.participants == 1 and self.marker is not None and self.marker.exists():
+            raise RunOver(f"rank {self.t.rank}: the run is over (done marker {self.marker})")
+        return got
 
     def loss_weight(self, n: int) -> float:
         return 1.0 / n  # the all-reduce SUMs over the participants
@@ -288,7 +390,7 @@ class PerStepFaultTolerance:
         quorum or None)."""
         params = [p for p in self.t.strategy.module.parameters() if p.requires_grad]
         summed = self.group.allreduce_gradients(params, sums)
-        return self.group.should_commit(), summed
+        return self.group.commit(), summed
 
     def ledger_extra(self) -> dict:
         return {"quorum": self.group.quorum_id, "n": self.group.participants}
@@ -324,8 +426,12 @@ class PerStepFaultTolerance:
                 # steps on, within the windows read here).
                 t.warm_reader()
             loop()
+        except RunOver as e:
+            t.log(str(e))
         finally:
             if self.marker is not None and t.done:
                 self.marker.parent.mkdir(parents=True, exist_ok=True)
                 self.marker.touch()
+            if self.leave is not None:
+                self.leave.close()
             self.group.shutdown()

@@ -1,11 +1,18 @@
-"""A notice of a coming stop, on the workers (``restart`` mode): every rank learns it at
-the next step boundary, a checkpoint is committed there, and every rank raises
-``notice.Preempted`` (``elastic_ddp.notice``: the kinds and what the controller does).
+"""A notice of a coming stop, on the workers. ``restart`` mode (:class:`NoticeListener`):
+every rank learns it at the next step boundary, a checkpoint is committed there, and
+every rank raises ``notice.Preempted`` (``elastic_ddp.notice``: the kinds and what the
+controller does). ``per_step`` mode (:class:`ReplicaLeave`): the noticed replica takes
+part in one more step, leaves its quorum after it and raises it alone.
 
-    listener = build(trainer)          # None: notices are handled as crashes
+    listener = build(trainer)          # restart mode; None: notices are handled as crashes
     ...after each committed step...
     if listener is not None and listener.agreed():
         listener.checkpoint_and_stop()  # raises notice.Preempted
+
+    leave = build_leave(trainer)       # per_step mode; None: notices are handled as crashes
+    ...before each step's quorum...
+    if leave.held(): ...               # this step is the replica's last
+    leave.check(step)                  # at the boundary after it: raises notice.Preempted
 
 One agreement per step: an all-reduce (MAX) of ``5 + world_size`` int64 numbers (the
 kinds noted on each rank, the earliest notice and deadline, which ranks it concerns), on
@@ -21,14 +28,35 @@ step.
 A notice that reaches the ranks less than one step plus one checkpoint's write before the
 node goes is too late: the restart resumes from the newest checkpoint, and the
 controller's ``preemption`` event says how many steps that recomputed.
+
+Per-step mode needs no agreement: every step is already agreed by its quorum, and a
+replica that stops asking for quorums is dropped by torchft's lighthouse once its
+heartbeat is older than ``heartbeat_timeout_ms`` (``fault_tolerance.LIGHTHOUSE``; torchft
+0.2.0 has no call that leaves a quorum). At the first step boundary with a notice held,
+the replica takes part in one more step, stopping its torchft Manager (its heartbeat) as
+soon as that step's quorum is decided (``fault_tolerance.ReplicaGroup.begin``; after the
+step's all-reduce where the members changed, as a healer needs its source's Manager);
+after that step (and the checkpoint there, if one is due: ``ray.train.report`` is a
+barrier over every replica) :meth:`ReplicaLeave.check` raises ``Preempted(left=True)``.
+The others' next quorum forms without it once its last heartbeat expires, which the step
+computed in between hides in part, and no step is redone: that step was committed by its
+whole quorum, and the next quorum's participants split the next steps' rows among
+themselves. Sources: its own SIGTERM (the same handler as above) and a drain of its own
+node, which a thread of the replica asks the GCS about every
+``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S`` seconds (1; ``compat.ray_train.node_drain``: Ray
+Train runs no preemption watcher for replica groups). The driver's stop is not handled in
+this mode (SIGTERM to the driver ends it as without elastic-ddp). Costs: one dict read per
+step, and one GCS call a second per replica.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -162,3 +190,106 @@ class NoticeListener:
         t.ledger.close()
         raise Preempted(source, step, agreed["noticed_t"], agreed["deadline_t"], time.time(),
                         tuple(agreed["ranks"]), self.rank)
+
+
+# ------------------------------------------------------------------------ per-step mode
+def build_leave(trainer) -> Optional["ReplicaLeave"]:
+    """The leave of ``trainer``'s replica (``per_step`` mode), or None where notices are
+    handled as crashes (``scaling.preemption_checkpoint`` off, ``restart`` mode, or a
+    Ray without the preemption support: ``JobSpec.preemption``)."""
+    cfg = trainer.cfg
+    if not (getattr(trainer.job, "preemption", False) and cfg.scaling.preemption_checkpoint
+            and cfg.scaling.fault_tolerance == "per_step"):
+        return None
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    poll_s = float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1"))
+    return ReplicaLeave(trainer.rank, trainer.world_size, node_id=node, poll_s=poll_s)
+
+
+class DrainWatch:
+    """A daemon thread asking the GCS every ``poll_s`` seconds whether node ``node_id``
+    (hex) is being drained (``compat.ray_train.node_drain``); the first yes is noted as
+    a ``drain`` notice and its deadline kept in ``deadline_t`` (seconds since the epoch,
+    or None: no deadline). ``close`` stops it."""
+
+    def __init__(self, node_id: str, poll_s: float = 1.0):
+        self.node_id, self.poll_s = node_id, poll_s
+        self.deadline_t: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-ddp-drain-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from elastic_ddp.compat.ray_train import node_drain
+
+        while not self._stop.is_set():
+            info = node_drain(self.node_id)
+            if info is not None:
+                self.deadline_t = info["deadline_t"]
+                notice.note("drain")  # after deadline_t is set: whoever sees it sees both
+                return
+            self._stop.wait(self.poll_s)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class ReplicaLeave:
+    """``per_step`` mode: this replica's own notices make it leave at the next step
+    boundary (the module docstring). ``rank``/``world_size``: this replica among the
+    job's; ``node_id``: its Ray node (None: no drain watch); ``install``: put the
+    SIGTERM handler in the Ray Train worker's main thread (False: the caller installs
+    it, outside Ray); ``log``: where the one line at the leave goes (stdout: the
+    replica's Ray worker log)."""
+
+    def __init__(self, rank: int, world_size: int, node_id: Optional[str] = None,
+                 poll_s: float = 1.0, install: bool = True,
+                 log: Optional[Callable[[str], None]] = None):
+        self.rank, self.world_size = rank, world_size
+        self.drain = DrainWatch(node_id, poll_s) if node_id else None
+        self._log = log
+        if install:
+            from elastic_ddp.compat.ray_train import run_in_main_thread
+
+            run_in_main_thread(install_sigterm_handler)
+
+    def held(self) -> Optional[dict]:
+        """The notice this replica holds now: ``{"source": "drain" | "sigterm",
+        "noticed_t": s, "deadline_t": s or None}``, or None. A drain wins (its deadline
+        is known); the driver's stop is not this mode's."""
+        held = {k: v for k, v in notice.noted().items() if k in ("drain", "sigterm")}
+        if not held:
+            return None
+        source = "drain" if "drain" in held else "sigterm"
+        deadline = self.drain.deadline_t if (self.drain is not None and source == "drain") else None
+        return {"source": source, "noticed_t": min(held.values()), "deadline_t": deadline}
+
+    def check(self, step: int, before_leave: Optional[Callable[[], None]] = None) -> None:
+        """At a step boundary, before this replica would ask for the next quorum: with a
+        notice held, run ``before_leave`` (e.g. stop the torchft Manager, if the caller has
+        not yet) and leave. ``step``: the last step this replica took part in.
+
+        Raises:
+            Preempted: with ``left=True``, when a notice is held."""
+        got = self.held()
+        if got is None:
+            return
+        if before_leave is not None:
+            before_leave()
+        self.close()
+        left_t = time.time()
+        err = Preempted(got["source"], step, got["noticed_t"], got["deadline_t"], left_t,
+                        (self.rank,), self.rank, left=True)
+        line = f"[rank {self.rank}/{self.world_size}] {err}\n"
+        if self._log is not None:
+            self._log(line)
+        else:
+            sys.stdout.write(line)  # not print: Ray Train patches print() into its logger
+            sys.stdout.flush()
+        raise err
+
+    def close(self) -> None:
+        if self.drain is not None:
+            self.drain.close()
