@@ -77,15 +77,19 @@ def user_error(exc: BaseException) -> Optional[BaseException]:
 
 
 _last_preemption: list = []
+_predicates: dict = {}
 
 
-def count_notices_as_preemptions(is_notice) -> None:
+def count_notices_as_preemptions(is_notice, died_after_notice=None) -> None:
     """Make a worker group whose failed ranks all raised a notice's error
-    (``is_notice(exc)``: ``notice.Preempted``, the checkpoint at a notice committed) a
-    preemption for Ray Train's failure policy
-    (charged to ``max_preemption_failures``, as Ray charges a node reclaim), and keep
-    every error the policy counts as a preemption for :func:`take_preemption` (run in
-    the controller's process, by ``ControllerEvents.after_controller_start``).
+    (``is_notice(exc)``: ``notice.Preempted``, the checkpoint at a notice committed), or
+    in which a rank died after it was given notice (``died_after_notice(rank, exc)``: a
+    SIGTERM, then a kill before the checkpoint at the notice; whatever the other ranks
+    raised, as Ray counts a reclaimed node's deaths) a preemption for Ray Train's failure
+    policy (charged to ``max_preemption_failures``, as Ray charges a node reclaim), and
+    keep every error the policy counts as a preemption for :func:`take_preemption` (run in
+    the controller's process, by ``ControllerEvents.after_controller_start``; a later call
+    replaces the predicates).
 
     Ray Train 2.60's ``failure_handling.default._is_preemption_failure`` decides which
     budget a failure spends; it knows ``PreemptionError`` and a reclaimed node's actor
@@ -93,13 +97,17 @@ def count_notices_as_preemptions(is_notice) -> None:
     from ray.train.v2._internal.execution.failure_handling import default
     from ray.train.v2.api.exceptions import WorkerGroupError
 
+    _predicates.update(is_notice=is_notice, died_after_notice=died_after_notice)
     orig = default._is_preemption_failure
     if getattr(orig, "_elastic_ddp", False):
         return
 
     def is_preemption(error) -> bool:
-        ours = isinstance(error, WorkerGroupError) and bool(error.worker_failures) and all(
-            is_notice(e) for e in error.worker_failures.values())
+        failures = error.worker_failures if isinstance(error, WorkerGroupError) else {}
+        died = _predicates.get("died_after_notice")
+        ours = bool(failures) and (
+            all(_predicates["is_notice"](e) for e in failures.values())
+            or (died is not None and any(died(r, e) for r, e in failures.items())))
         if ours or orig(error):
             _last_preemption[:] = [error]
             return True
