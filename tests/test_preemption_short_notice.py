@@ -28,7 +28,7 @@ import pytest
 
 from conftest import digits_config
 from elastic_ddp import notice
-from helpers import add_node, max_step, train_ids, wait_until
+from helpers import local_cluster, max_step, train_ids, wait_until
 
 NODE = "a" * 56
 
@@ -128,25 +128,11 @@ EPOCHS, STEPS, EVERY = 2, 46, 5  # ceil(1437 / 64) = 23 steps an epoch; a checkp
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster()
-    try:
-        add_node(c, num_cpus=1, include_dashboard=False)  # the head
-        for _ in range(2):
-            add_node(c, num_cpus=2)  # a worker asks for 2: one per node
-        c.wait_for_nodes()
-    except BaseException:
-        c.shutdown()
-        raise
-    ray.init(address=c.address, logging_level="WARNING")
-    try:
+    with local_cluster(2, 2) as c:  # a worker asks for 2 CPUs: one per node
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.mark.slow
