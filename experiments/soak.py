@@ -411,6 +411,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n==== soak: {args.mode} mode, {t_faults_end - t_faults:.0f} s of faults (every ~{args.interval:.0f} s, "
           f"seed {args.seed}), bench_gpt {epochs} epochs x {steps_per_epoch} steps, "
           f"{args.nodes} worker nodes at most ====")
+    for r in rows:
+        def num(x):
+            return "-" if x is None else f"{x:.1f}"
+        print(f"  +{r['t'] - t_faults:6.0f} s {r['kind']:8s} recovery {num(r['recovery_s']):>5} s  stall "
+              f"{num(r['stall_s']):>5} s  recomputed {r['steps_recomputed']:3d}  {r['detail']}")
     print(format_table(rows))
     with_notice = [r for r in rows if r["kind"] in ("sigterm", "drain") and r["ok"]]
     if with_notice:

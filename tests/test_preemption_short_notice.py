@@ -76,7 +76,17 @@ def test_a_sigterm_is_in_the_position_record_of_a_rank_killed_right_after(tmp_pa
     assert read_position(NODE, pid) is not None and read_position(NODE, pid) is None  # read, removed
 
 
-def test_a_rank_killed_after_its_notice_is_a_preemption_that_fell_back(tmp_path):
+@pytest.fixture()
+def policy_rule():
+    """Ray Train's failure-policy rule as the controller installs it, put back to the
+    notices-only rule afterwards (it is process-wide)."""
+    from elastic_ddp.compat.ray_train import count_notices_as_preemptions
+
+    yield
+    count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None)
+
+
+def test_a_rank_killed_after_its_notice_is_a_preemption_that_fell_back(tmp_path, policy_rule):
     """Ray Train's failure policy charges it to the preemption budget (max_failures=0
     retries it); the controller records a ``fell_back`` preemption naming the rank, the
     notice-to-kill time and the step the rank had reached, and a console warning."""
