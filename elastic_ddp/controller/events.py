@@ -211,7 +211,8 @@ class ElasticEvents(UserCallback):
         # The step the dead rank was computing (not committed), or had just finished.
         reached = [int(p["step"]) - (1 if p.get("phase") in ("data read", "training step") else 0)
                    for p in killed.values() if p.get("step") is not None]
-        lead = f" {to_death:.1f} s before it was killed" if to_death is not None else ""
+        # The death as the GCS saw it: the kill itself came a little earlier.
+        lead = f", dead {to_death:.1f} s after it" if to_death is not None else ""
         text = (f"{source} notice on rank(s) {sorted(killed)} (nodes {', '.join(nodes) or '?'}){lead}: "
                 f"too little notice for a checkpoint at it (one step plus one checkpoint write); "
                 f"resuming from the newest checkpoint, step {stored}")
