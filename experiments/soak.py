@@ -31,11 +31,13 @@ What it does:
    twice as often as each removal, so the cluster refills).
 4. Runs the same job uninterrupted (same config and samples) on the full cluster:
    ``--baseline after`` (default), ``before``, or ``none``.
-5. Prints, per fault kind: how many; recovery seconds (from the fault to the first step
-   of a process started after it: the restarted group, or in ``per_step`` mode the
-   replacement; "-" when nothing restarted, e.g. a node added while the job ran at its
-   maximum size); stall seconds (the longest pause between two trained steps of any
-   process around the fault); steps recomputed (trained again after it, from the ledger);
+5. Prints, per fault kind: how many; how many restarted something (a restart event of
+   the run, a failure, preemption or resize, follows the fault; a spare node removed or
+   a node added while the job runs at its maximum size restart nothing); recovery
+   seconds (from the fault to the first step of a process started after its event: the
+   restarted group, or in ``per_step`` mode the replacement); stall seconds (the longest
+   pause between two trained steps of any process during the fault and its recovery);
+   steps recomputed (trained again after it, from the ledger);
    then goodput, the ledger audit of every epoch (``elastic_ddp.ledger.audit``: samples
    repeated and lost), the product's restart events, and the final val_loss against the
    uninterrupted run's. All of it also goes to ``--out/soak-<mode>.json``.
@@ -243,14 +245,33 @@ def _ledger_processes(ledger_dir: Path) -> list[dict]:
     return out
 
 
-def per_fault(faults: list[Fault], ledger_dir: Path, mode: str, end_t: float) -> list[dict]:
-    """Each fault's cost, from the ledger: ``recovery_s`` (fault -> the first step of a
-    process started after it, before the next fault; None: none started), ``stall_s``
-    (the longest gap between consecutive trained steps of any process that spans the
-    fault or falls in its recovery), ``steps_recomputed`` (restart mode: steps the
-    attempt running at the fault trained past the checkpoint the next one resumed
-    from, ``ledger.recomputed_after``; per-step mode: steps not committed, or committed
-    again, after the fault and before the next one)."""
+RESTART_EVENTS = ("failure", "preemption", "resize")
+
+
+def fault_events(faults: list[Fault], events: list[dict]) -> list[list[dict]]:
+    """The run's restart events (``Summary.events``: failures, preemptions, resizes, as
+    the controller decided them) of each fault: an event belongs to the latest fault
+    injected before it. A fault with none restarted nothing (a spare node removed, a node
+    added while the job ran at its maximum size or while it was restarting anyway)."""
+    out: list[list[dict]] = [[] for _ in faults]
+    for ev in sorted((e for e in events if e.get("type") in RESTART_EVENTS), key=lambda e: e["t"]):
+        i = max((i for i, f in enumerate(faults) if f.t <= ev["t"]), default=None)
+        if i is not None:
+            out[i].append(ev)
+    return out
+
+
+def per_fault(faults: list[Fault], events: list[dict], ledger_dir: Path, mode: str,
+              end_t: float) -> list[dict]:
+    """Each fault's cost. With its first restart event (:func:`fault_events`), from the
+    ledger: ``recovery_s`` (the fault -> the first step of a process started after that
+    event: the restarted group, or in per-step mode the replacement; None when none
+    started), ``stall_s`` (the longest gap between consecutive trained steps of any
+    process that overlaps the fault and its recovery), ``steps_recomputed`` (restart
+    mode: steps the attempt running at the event trained past the checkpoint the next one
+    resumed from, ``ledger.recomputed_after``). Per-step mode's ``steps_recomputed``:
+    steps no quorum committed, or a second quorum committed again, redone after the fault
+    and before the next one. A fault without an event: None, None, 0."""
     from elastic_ddp.ledger import read_attempts, recomputed_after
 
     procs = _ledger_processes(ledger_dir)
@@ -269,22 +290,24 @@ def per_fault(faults: list[Fault], ledger_dir: Path, mode: str, end_t: float) ->
     redone = [first[s][0] for s, q in shares if (s, q) not in commit_t and s in first]
     redone += [t for (s, q), t in commit_t.items() if first[s][1] != q]
     rows = []
-    for i, f in enumerate(faults):
+    for i, (f, evs) in enumerate(zip(faults, fault_events(faults, events))):
         nxt = faults[i + 1].t if i + 1 < len(faults) else end_t
-        starts = [min((t for t, _ in p["steps"]), default=math.inf) for p in procs if f.t < p["t"] <= nxt]
-        back = min(starts, default=math.inf)
-        recovery = back - f.t if back < math.inf else None
-        hi = f.t + (recovery or 0.0)
-        stall = max((b - a for a, b in zip(times, times[1:]) if b > f.t and a < max(hi, f.until)),
-                    default=None)
+        recovery = stall = None
         recomputed = 0
-        if mode == "restart":
-            r = recomputed_after(attempts, f.t)
-            if r is not None and attempts[r["attempt"] + 1].t <= nxt:
-                recomputed = r["steps_recomputed"]
-        else:
+        if evs:
+            t_ev = evs[0]["t"]
+            back = min((min((t for t, _ in p["steps"]), default=math.inf) for p in procs if p["t"] > t_ev),
+                       default=math.inf)
+            recovery = back - f.t if back < math.inf else None
+            hi = max(f.until, f.t + recovery if recovery is not None else end_t)
+            stall = max((b - a for a, b in zip(times, times[1:]) if b > f.t and a < hi), default=None)
+            if mode == "restart":
+                r = recomputed_after(attempts, t_ev)
+                recomputed = r["steps_recomputed"] if r is not None else 0
+        if mode != "restart":
             recomputed = sum(f.t <= t < nxt for t in redone)
-        rows.append({**asdict(f), "recovery_s": recovery, "stall_s": stall, "steps_recomputed": recomputed})
+        rows.append({**asdict(f), "recovery_s": recovery, "stall_s": stall, "steps_recomputed": recomputed,
+                     "events": [{k: e.get(k) for k in ("type", "source", "fell_back", "cause")} for e in evs]})
     return rows
 
 
@@ -387,9 +410,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         t_faults = time.time()
         injector.run(t_faults + args.duration, stop)
         t_faults_end = time.time()
-        # The nodes back, for the job's rest and the baseline.
-        while len(cluster.worker_nodes) < args.nodes:
-            add_node(cluster, num_cpus=NODE_CPUS)
+        # The nodes back, for the job's rest and the baseline (faults too: the job may
+        # grow on them).
+        while len(cluster.worker_nodes) < args.nodes and injector.inject("add", stop).ok:
+            pass
         job.join()
         wall = time.time() - t0
         if args.baseline == "after" and "summary" in result:
@@ -398,7 +422,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[soak] the job failed: {type(result['error']).__name__}: {result['error']}", flush=True)
         return 1
     s = result["summary"]
-    rows = per_fault(injector.log, ledger, args.mode, t_faults_end)
+    rows = per_fault(injector.log, s.events, ledger, args.mode, t0 + wall)
     report = audit(ledger, ids, epochs)
     val = s.metrics.get("val_loss")
     ref = baseline.metrics.get("val_loss") if baseline is not None else None

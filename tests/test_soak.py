@@ -82,25 +82,29 @@ def _steps(writer, epoch: int, steps, quorum=None, n=None) -> None:
 
 
 def test_per_fault_costs_of_a_restart_mode_ledger(soak, tmp_path):
-    """A SIGKILL at step 7 (checkpoint at 5): the next attempt resumes from 5, so 2 steps
-    are recomputed; a node added later restarts nothing."""
+    """A SIGKILL at step 7 (checkpoint at 5), a failure event after it: the next attempt
+    resumes from 5, so 2 steps are recomputed; a node added later, no event, restarted
+    nothing."""
     from elastic_ddp.ledger import LedgerWriter
 
     w = LedgerWriter(str(tmp_path), 0, 0, 1)
     _steps(w, 0, range(1, 8))
     w.close()
     kill = soak.Fault("sigkill", time.time(), time.time(), "pid 1", 3)
+    failure = {"type": "failure", "t": kill.t + 0.05}
     time.sleep(0.2)
     w = LedgerWriter(str(tmp_path), 0, 5, 1)
     time.sleep(0.1)
     _steps(w, 0, range(6, 11))
     w.close()
     add = soak.Fault("add", time.time(), time.time(), "node x", 3)
-    rows = soak.per_fault([kill, add], tmp_path, "restart", time.time() + 1)
+    events = [failure, {"type": "checkpoint_rejected", "t": add.t + 0.01}]  # not a restart
+    assert soak.fault_events([kill, add], events) == [[failure], []]
+    rows = soak.per_fault([kill, add], events, tmp_path, "restart", time.time() + 1)
     k, a = rows
     assert k["steps_recomputed"] == 2 and 0.3 <= k["recovery_s"] < 1.0, k
     assert k["stall_s"] >= k["recovery_s"] > 0, k
-    assert a["recovery_s"] is None and a["steps_recomputed"] == 0, a
+    assert (a["recovery_s"], a["stall_s"], a["steps_recomputed"]) == (None, None, 0), a
     table = soak.format_table(rows)
     assert "worker SIGKILL" in table and "node added" in table and "2 / 2" in table, table
 
@@ -122,13 +126,14 @@ def test_per_fault_costs_of_a_per_step_ledger(soak, tmp_path):
     b.close()
     kill = soak.Fault("sigkill", time.time(), time.time(), "pid 2", 3)
     _steps(a, 0, [4], quorum=2, n=1)
-    time.sleep(0.2)
+    time.sleep(0.2)  # the replacement starts after the failure event
     c = LedgerWriter(str(tmp_path), 1, 4, 2, mode="per_step")
     _steps(a, 0, [5], quorum=3, n=2)
     _steps(c, 0, [5], quorum=3, n=2)
     a.close()
     c.close()
-    (row,) = soak.per_fault([kill], tmp_path, "per_step", time.time() + 1)
+    (row,) = soak.per_fault([kill], [{"type": "failure", "t": kill.t + 0.05}], tmp_path, "per_step",
+                            time.time() + 1)
     assert row["steps_recomputed"] == 1, row
     assert 0.2 <= row["recovery_s"] < 1.0 and row["stall_s"] is not None, row
 
