@@ -1,6 +1,6 @@
 """Ray Train V2 internals the controller side uses: the controller and worker-group
-callback bases (Ray exports only ``UserCallback``), the retry policy of a worker that dies
-while its group starts, and an actor's death time from the GCS.
+callback bases (Ray exports only ``UserCallback``), the retry policy and the clean-up of a
+worker that dies while its group starts, and an actor's death time from the GCS.
 
 Version guard: ``compat.versions`` (override ``controller_events``) lists the Ray releases
 these were tested on; on any other the launcher leaves ``ControllerEvents`` (their only
@@ -22,7 +22,7 @@ except ImportError:  # a Ray release that moved them: ControllerEvents only has 
 
 __all__ = ["ControllerCallback", "WorkerGroupCallback", "actor_death_time", "count_notices_as_preemptions",
            "local_preemption_info", "retry_worker_deaths_at_start", "run_in_main_thread",
-           "take_preemption", "tell_workers", "user_error"]
+           "shut_down_failed_starts", "take_preemption", "tell_workers", "user_error"]
 
 
 def retry_worker_deaths_at_start() -> None:
@@ -42,6 +42,41 @@ def retry_worker_deaths_at_start() -> None:
 
     if RayActorError not in default.RETRYABLE_CONTROLLER_ERRORS:
         default.RETRYABLE_CONTROLLER_ERRORS = (*default.RETRYABLE_CONTROLLER_ERRORS, RayActorError)
+
+
+def shut_down_failed_starts() -> None:
+    """Make a worker group whose start fails after its state was built shut that state
+    down: its workers, its synchronization actor and its placement group (run in the
+    controller's process, by ``ControllerEvents.after_controller_start``).
+
+    Ray Train (2.60) cleans up a failed ``WorkerGroup._start`` only while the group's state
+    is unbuilt, and builds it before the ``after_worker_group_start`` callbacks (the
+    backend's process-group set-up among them). A worker that dies in one of those (a
+    SIGKILL or a lost node while the group starts) fails the start with the placement
+    group and the other workers left running, held by no worker group the controller
+    knows: every retry then waits for the resources they hold, and a job whose retries
+    need them never starts again."""
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    orig = WorkerGroup._start
+    if getattr(orig, "_elastic_ddp", False):
+        return
+
+    def _start(self):
+        try:
+            return orig(self)
+        except BaseException:
+            state = getattr(self, "_worker_group_state", None)
+            if state is not None:  # built, then a callback failed: nobody else will
+                self._worker_group_state = None
+                try:
+                    state.shutdown()
+                except Exception:  # noqa: BLE001 - the start's own error is what matters
+                    pass
+            raise
+
+    _start._elastic_ddp = True
+    WorkerGroup._start = _start
 
 
 def actor_death_time(actor_id: Optional[str]) -> Optional[float]:

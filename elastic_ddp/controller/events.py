@@ -17,7 +17,7 @@ from ray.train.v2.api.callback import UserCallback
 from elastic_ddp import notice
 from elastic_ddp.compat.ray_train import (ControllerCallback, WorkerGroupCallback, actor_death_time,
                                           count_notices_as_preemptions, retry_worker_deaths_at_start,
-                                          take_preemption, tell_workers)
+                                          shut_down_failed_starts, take_preemption, tell_workers)
 
 from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
                                              stops_at_once, stragglers)
@@ -330,6 +330,7 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_start(self, train_run_context) -> None:
         retry_worker_deaths_at_start()
+        shut_down_failed_starts()
         if self.sink.preemption:
             count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None,
                                          self.sink.died_after_notice)
