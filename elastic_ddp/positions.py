@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
@@ -114,6 +115,11 @@ class Position:
         self.rank, self.run, self.node = rank, run, node
         self.t0 = attempt_t or time.time()
         self.record: Dict[str, Any] = {"phase": "set-up", "step": None, "epoch": None}
+        # Notices this process got (kind -> seconds since the epoch): a rank killed soon
+        # after its SIGTERM leaves it here, for the controller's preemption event.
+        self.notices: Dict[str, float] = {}
+        # The training thread and a signal handler (the main thread) both write.
+        self._lock = threading.Lock()
         self._fd: Optional[int] = None
         d = position_dir()
         if d is not None:
@@ -130,21 +136,32 @@ class Position:
         self.record = {"phase": phase, "step": step, "epoch": epoch}
         self._write()
 
+    def noticed(self, kind: str, t: float) -> None:
+        """Record a notice of ``kind`` (``elastic_ddp.notice.SOURCES``) received at ``t``
+        (seconds since the epoch), written at once: the process may be killed next."""
+        if kind not in self.notices:
+            self.notices[kind] = t
+            self._write()
+
     def _write(self) -> None:
-        if self._fd is None:
-            return
-        rec = {**self.record, "rank": self.rank, "run": self.run, "pid": os.getpid(),
-               "node": self.node, "t0": self.t0, "t": time.time()}
-        data = json.dumps(rec).encode()[: self.SIZE].ljust(self.SIZE)
-        try:
-            os.pwrite(self._fd, data, 0)
-        except OSError:
-            pass
+        with self._lock:
+            if self._fd is None:
+                return
+            rec = {**self.record, "rank": self.rank, "run": self.run, "pid": os.getpid(),
+                   "node": self.node, "t0": self.t0, "t": time.time(),
+                   **({"notices": dict(self.notices)} if self.notices else {})}
+            data = json.dumps(rec).encode()[: self.SIZE].ljust(self.SIZE)
+            try:
+                os.pwrite(self._fd, data, 0)
+            except OSError:
+                pass
 
     def close(self, remove: bool = True) -> None:
         """A rank that ends normally removes its record (a dead one's stays for the
         controller, which removes it after reading)."""
-        if self._fd is not None:
+        with self._lock:
+            if self._fd is None:
+                return
             os.close(self._fd)
             self._fd = None
             if remove:

@@ -288,7 +288,7 @@ def driver_rss(size: str) -> dict:
         sets = {"model.kwargs": f"{{n_layer: {layers}, n_head: {max(1, width // 64)}, n_embd: {width}}}",
                 "batch.global_batch_size": "4", "batch.micro_batch_size": "2",
                 "train.max_steps": "4", "train.checkpoint_every_steps": "2",
-                "train.eval_max_batches": "1", "run.name": f"driver-rss-{size}",
+                "train.eval_max_batches": "1", "scaling.max_failures": "3", "run.name": f"driver-rss-{size}",
                 "run.storage_path": f"{out}/ray_results",
                 "run.tracking_uri": f"sqlite:///{out}/mlflow.db"}
         cmd = [sys.executable, "-c", DRIVER, "train", str(ROOT / "experiments/configs/bench_gpt.yaml"),

@@ -42,7 +42,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
 from elastic_ddp.run_state import Diagnostics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_faults, when loaded by path
+from cluster_faults import children, local_cluster, train_workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "experiments/configs/bench_gpt.yaml"
@@ -64,33 +68,6 @@ def _killer(pids_fn, every: float, stop: threading.Event, kills: list, seed: int
             pass
 
 
-def _train_worker_pids() -> list[int]:
-    import ray._private.state as state
-
-    out = []
-    for info in state.actors(actor_state_name="ALIVE").values():
-        if info["ActorClassName"] == "RayTrainWorker" and info["Pid"]:
-            try:
-                with open(f"/proc/{info['Pid']}/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::"):
-                        out.append(int(info["Pid"]))
-            except OSError:
-                pass
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(p.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 # --------------------------------------------------------------------------- torchrun
 def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, restarts: int,
                  sig: int = signal.SIGKILL) -> dict:
@@ -102,8 +79,8 @@ def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, rest
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop, kills = threading.Event(), []
-    th = threading.Thread(target=_killer, args=(lambda: _children(proc.pid), kill_every, stop, kills, 0, sig),
-                          daemon=True)
+    th = threading.Thread(target=_killer, args=(lambda: children(proc.pid, recursive=False), kill_every, stop, kills,
+                                                0, sig), daemon=True)
     th.start()
     out = proc.communicate()[0]
     stop.set()
@@ -155,8 +132,8 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
         f"run.storage_path={tmp / 'ray'}", f"run.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
         f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}"])
     stop, kills = threading.Event(), []
-    th = threading.Thread(target=_killer, args=(_train_worker_pids, kill_every, stop, kills, 0, sig),
-                          daemon=True)
+    th = threading.Thread(target=_killer, args=(lambda: [w["pid"] for w in train_workers()], kill_every, stop,
+                                                kills, 0, sig), daemon=True)
     t0 = time.time()
     th.start()
     try:
@@ -224,26 +201,14 @@ def main() -> int:
     steps = max(50, int(steps_per_s * args.duration))
     print(f"calibration: {steps_per_s:.2f} steps/s under torchrun -> {steps} steps per job", flush=True)
 
-    import ray
-    from ray.cluster_utils import Cluster
-
     rows = {}
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-recovery-{mode}-") as tmp:
             if mode == "torchrun":
                 r = run_torchrun(Path(tmp), steps, args.ckpt_every, args.kill_every, 100, sig)
             else:
-                c = Cluster()
-                c.add_node(num_cpus=1, include_dashboard=False)
-                for _ in range(2):
-                    c.add_node(num_cpus=2)
-                c.wait_for_nodes()
-                ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
-                try:
+                with local_cluster(2, 2, log_to_driver=False):
                     r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every, sig)
-                finally:
-                    ray.shutdown()
-                    c.shutdown()
         rows[mode] = r
         print(mode, json.dumps(r), flush=True)
 

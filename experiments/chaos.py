@@ -36,47 +36,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+
 from elastic_ddp.run_state import Diagnostics
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_faults, when loaded by path
+from cluster_faults import add_node, local_cluster, train_worker_pids  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _children(pid: int) -> list[int]:
-    """Descendant pids of ``pid`` (via /proc; Linux only)."""
-    kids: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def train_worker_pids(cluster) -> list[int]:
-    """PIDs of ``ray::RayTrainWorker`` processes under this cluster's worker raylets."""
-    from ray._private import ray_constants
-
-    pids = []
-    for node in list(cluster.worker_nodes):
-        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
-            pids += [c for c in _children(info.process.pid)
-                     if _cmdline(c).startswith("ray::RayTrainWorker")]
-    return pids
 
 
 class Chaos:
@@ -119,8 +85,7 @@ class Chaos:
                     self.cluster.remove_node(node)
                     detail = node.unique_id
                 else:
-                    node = self.cluster.add_node(num_cpus=self.node_cpus,
-                                                 object_store_memory=100 * 2**20)
+                    node = add_node(self.cluster, num_cpus=self.node_cpus)
                     detail = node.unique_id
             except Exception as e:  # noqa: BLE001 - chaos goes on; the error is logged
                 detail = f"failed: {type(e).__name__}: {e}"
@@ -141,9 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(REPO / "experiments/configs/digits_cnn.yaml"))
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
     args = ap.parse_args(argv)
-
-    import ray
-    from ray.cluster_utils import Cluster
 
     from elastic_ddp.config import Config
     from elastic_ddp.data.prepare import prepare_digits
@@ -171,14 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ])
     ledger = out / "ledger" / run_name
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 100 * 2**20, "include_dashboard": False})
-    chaos = None
-    try:
-        for _ in range(args.nodes):
-            cluster.add_node(num_cpus=node_cpus, object_store_memory=100 * 2**20)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING")
+    with local_cluster(args.nodes, node_cpus) as cluster:
         chaos = Chaos(cluster, args.nodes, args.duration, args.interval, args.seed, node_cpus)
         result: dict = {}
 
@@ -231,11 +186,6 @@ def main(argv: list[str] | None = None) -> int:
         print("val: " + " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items()))
         print(f"(figures in {out / 'chaos.json'})")
         return 0 if report["ok"] else 1
-    finally:
-        if chaos is not None:
-            chaos.stop.set()
-        ray.shutdown()
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

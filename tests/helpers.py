@@ -236,17 +236,26 @@ def max_step(ledger: Path, world_size: int | None = None) -> int:
     return best
 
 
-def add_node(cluster, tries: int = 3, **kw):
-    """``cluster.add_node`` with retries: Ray gives a raylet 30 s to register with the
-    GCS, which a machine shared by several Ray clusters does not always meet."""
-    kw.setdefault("object_store_memory", 100 * 2**20)
-    for i in range(tries):
-        try:
-            return cluster.add_node(**kw)
-        except Exception:  # noqa: BLE001 - "timed out during startup"; retried
-            if i == tries - 1:
-                raise
-            time.sleep(2)
+def _cluster_faults():
+    """``experiments/cluster_faults.py`` (the experiments' local multi-node cluster and
+    its faults), loaded by path: the experiments directory is not a package."""
+    import importlib.util
+
+    name = "cluster_faults"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parents[1] / "experiments" / "cluster_faults.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+#: ``cluster.add_node`` with retries (a raylet has 30 s to register with the GCS, which a
+#: shared machine does not always meet); ``local_cluster(nodes, node_cpus)``: a head and
+#: worker nodes, this process connected, shut down on exit.
+add_node = _cluster_faults().add_node
+local_cluster = _cluster_faults().local_cluster
 
 
 def wait_until(pred, timeout: float) -> None:

@@ -1,6 +1,6 @@
 """Ray Train V2 internals the controller side uses: the controller and worker-group
-callback bases (Ray exports only ``UserCallback``), the retry policy of a worker that dies
-while its group starts, and an actor's death time from the GCS.
+callback bases (Ray exports only ``UserCallback``), the retry policy and the clean-up of a
+worker that dies while its group starts, and an actor's death time from the GCS.
 
 Version guard: ``compat.versions`` (override ``controller_events``) lists the Ray releases
 these were tested on; on any other the launcher leaves ``ControllerEvents`` (their only
@@ -29,8 +29,8 @@ except ImportError:
 
 __all__ = ["ControllerCallback", "ReplicaGroupCallback", "WorkerGroupCallback", "actor_death_time",
            "count_notices_as_preemptions", "local_preemption_info", "node_drain",
-           "retry_worker_deaths_at_start", "run_in_main_thread", "take_preemption", "tell_workers",
-           "user_error"]
+           "retry_worker_deaths_at_start", "run_in_main_thread", "shut_down_failed_starts",
+           "take_preemption", "tell_workers", "user_error"]
 
 
 def retry_worker_deaths_at_start() -> None:
@@ -50,6 +50,41 @@ def retry_worker_deaths_at_start() -> None:
 
     if RayActorError not in default.RETRYABLE_CONTROLLER_ERRORS:
         default.RETRYABLE_CONTROLLER_ERRORS = (*default.RETRYABLE_CONTROLLER_ERRORS, RayActorError)
+
+
+def shut_down_failed_starts() -> None:
+    """Make a worker group whose start fails after its state was built shut that state
+    down: its workers, its synchronization actor and its placement group (run in the
+    controller's process, by ``ControllerEvents.after_controller_start``).
+
+    Ray Train (2.60) cleans up a failed ``WorkerGroup._start`` only while the group's state
+    is unbuilt, and builds it before the ``after_worker_group_start`` callbacks (the
+    backend's process-group set-up among them). A worker that dies in one of those (a
+    SIGKILL or a lost node while the group starts) fails the start with the placement
+    group and the other workers left running, held by no worker group the controller
+    knows: every retry then waits for the resources they hold, and a job whose retries
+    need them never starts again."""
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    orig = WorkerGroup._start
+    if getattr(orig, "_elastic_ddp", False):
+        return
+
+    def _start(self):
+        try:
+            return orig(self)
+        except BaseException:
+            state = getattr(self, "_worker_group_state", None)
+            if state is not None:  # built, then a callback failed: nobody else will
+                self._worker_group_state = None
+                try:
+                    state.shutdown()
+                except Exception:  # noqa: BLE001 - the start's own error is what matters
+                    pass
+            raise
+
+    _start._elastic_ddp = True
+    WorkerGroup._start = _start
 
 
 def actor_death_time(actor_id: Optional[str]) -> Optional[float]:
@@ -86,15 +121,19 @@ def user_error(exc: BaseException) -> Optional[BaseException]:
 
 
 _last_preemption: list = []
+_predicates: dict = {}
 
 
-def count_notices_as_preemptions(is_notice) -> None:
+def count_notices_as_preemptions(is_notice, died_after_notice=None) -> None:
     """Make a worker group whose failed ranks all raised a notice's error
-    (``is_notice(exc)``: ``notice.Preempted``, the checkpoint at a notice committed) a
-    preemption for Ray Train's failure policy
-    (charged to ``max_preemption_failures``, as Ray charges a node reclaim), and keep
-    every error the policy counts as a preemption for :func:`take_preemption` (run in
-    the controller's process, by ``ControllerEvents.after_controller_start``).
+    (``is_notice(exc)``: ``notice.Preempted``, the checkpoint at a notice committed), or
+    in which a rank died after it was given notice (``died_after_notice(rank, exc)``: a
+    SIGTERM, then a kill before the checkpoint at the notice; whatever the other ranks
+    raised, as Ray counts a reclaimed node's deaths) a preemption for Ray Train's failure
+    policy (charged to ``max_preemption_failures``, as Ray charges a node reclaim), and
+    keep every error the policy counts as a preemption for :func:`take_preemption` (run in
+    the controller's process, by ``ControllerEvents.after_controller_start``; a later call
+    replaces the predicates).
 
     Ray Train 2.60's ``failure_handling.default._is_preemption_failure`` decides which
     budget a failure spends; it knows ``PreemptionError`` and a reclaimed node's actor
@@ -102,13 +141,17 @@ def count_notices_as_preemptions(is_notice) -> None:
     from ray.train.v2._internal.execution.failure_handling import default
     from ray.train.v2.api.exceptions import WorkerGroupError
 
+    _predicates.update(is_notice=is_notice, died_after_notice=died_after_notice)
     orig = default._is_preemption_failure
     if getattr(orig, "_elastic_ddp", False):
         return
 
     def is_preemption(error) -> bool:
-        ours = isinstance(error, WorkerGroupError) and bool(error.worker_failures) and all(
-            is_notice(e) for e in error.worker_failures.values())
+        failures = error.worker_failures if isinstance(error, WorkerGroupError) else {}
+        died = _predicates.get("died_after_notice")
+        ours = bool(failures) and (
+            all(_predicates["is_notice"](e) for e in failures.values())
+            or (died is not None and any(died(r, e) for r, e in failures.items())))
         if ours or orig(error):
             _last_preemption[:] = [error]
             return True

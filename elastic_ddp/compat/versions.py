@@ -69,7 +69,8 @@ OVERRIDES: tuple[Override, ...] = (
     Override("controller_events", "controller events (controller.events.ControllerEvents)",
              "each failure's cause (rank, signal, step) in the run's events, the stop after the "
              "same failure twice, the controller's start-up marks, and a worker death while "
-             "its group starts retried rather than fatal"),
+             "its group starts retried rather than fatal, with that group's placement group "
+             "and other workers shut down"),
 )
 
 

@@ -17,7 +17,8 @@ from ray.train.v2.api.callback import UserCallback
 from elastic_ddp import notice
 from elastic_ddp.compat.ray_train import (ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback,
                                           actor_death_time, count_notices_as_preemptions,
-                                          retry_worker_deaths_at_start, take_preemption, tell_workers)
+                                          retry_worker_deaths_at_start, shut_down_failed_starts,
+                                          take_preemption, tell_workers)
 
 from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
                                              stops_at_once, stragglers)
@@ -58,6 +59,10 @@ class ElasticEvents(UserCallback):
         self._last_world_size: Optional[int] = None
         self._last_step: int = 0
         self._pending: Dict[int, Exception] = {}
+        # (rank, pid) -> the position record of a dead rank of the failure being decided
+        # ({}: a live rank), read once: Ray Train's failure policy asks first
+        # (died_after_notice), the decision hook next.
+        self._dead: Dict[tuple, Dict[str, Any]] = {}
         # Failure/resize events since the last report: their world_size_after is only
         # known once a group reports.
         self._unsettled: List[Dict[str, Any]] = []
@@ -92,6 +97,12 @@ class ElasticEvents(UserCallback):
         (``failures.signature``: kind, phase, step, error without addresses/ports/pids)
         as the previous attempt's."""
         pending, self._pending = self._pending, {}
+        try:
+            self._decide(decision, pending)
+        finally:
+            self._dead = {}
+
+    def _decide(self, decision, pending: Dict[int, Exception]) -> None:
         if self.preemption and self._preempted(decision, pending):
             return
         if "stop" in notice.noted():
@@ -146,6 +157,11 @@ class ElasticEvents(UserCallback):
         notices = [p for p in map(notice.preempted_in, pre["failures"]) if p is not None]
         first = min(notices, key=lambda p: p.noticed_t) if notices else None
         ranks = sorted({r for p in notices for r in p.ranks})
+        # Ranks killed after their own notice, before a checkpoint at it (a SIGTERM, then
+        # SIGKILL at the end of a short grace period): rank -> its position record.
+        killed = {} if first is not None else {
+            r: pos for r, e in pending.items() if (pos := self._dead_position(r, e)).get("notices")}
+        ranks = ranks or sorted(killed)
         ip_of = {m.get("node_id"): m.get("node_ip") for m in self.workers.values()}
         node_ids = sorted(set(pre["nodes"]) | ({self.workers.get(r, {}).get("node_id") for r in ranks} - {None}))
         nodes = sorted({str(ip_of.get(n) or n) for n in node_ids})
@@ -165,8 +181,15 @@ class ElasticEvents(UserCallback):
                 # committed by its whole quorum, so nothing is recomputed (the restart
                 # join of driver.report does not apply: no attempt restarts).
                 event.update({"resumed_at_step": first.step, "steps_recomputed": 0})
+        elif killed:
+            event.update(self._killed_after_notice(killed, nodes, event["last_checkpoint_step"]))
         else:
-            event.update({"source": "drain", "notice_lead_s": None, "fell_back": True})
+            event.update({"source": "drain", "notice_lead_s": None, "fell_back": True,
+                          "warning": f"node(s) {', '.join(nodes) or '?'} preempted before a "
+                                     "checkpoint at the drain notice was committed (too little "
+                                     "notice): resumed from the newest checkpoint, step "
+                                     f"{event['last_checkpoint_step']}; the steps after it are "
+                                     "recomputed"})
             event["cause"] = (f"node(s) {', '.join(nodes) or '?'} preempted before a checkpoint at the "
                               f"notice was committed (too little notice): resuming from the newest "
                               f"checkpoint, step {event['last_checkpoint_step']}")
@@ -180,6 +203,57 @@ class ElasticEvents(UserCallback):
             self.flush()
             raise StopRequested(f"stopped on request (the driver's SIGTERM): {event['cause']}")
         return True
+
+    @staticmethod
+    def _killed_after_notice(killed: Dict[int, Dict[str, Any]], nodes: List[str], stored: int) -> Dict[str, Any]:
+        """The fields of a ``preemption`` event whose noticed ranks (``killed``: rank ->
+        position record with ``notices``) died before the checkpoint at the notice: the
+        restart falls back to the newest checkpoint (``fell_back``), step ``stored``."""
+        source, noticed_t = min(((k, t) for pos in killed.values() for k, t in pos["notices"].items()),
+                                key=lambda kt: kt[1])
+        deaths = [pos["t"] for pos in killed.values() if pos.get("t")]
+        to_death = round(min(deaths) - noticed_t, 3) if deaths else None
+        # The step the dead rank was computing (not committed), or had just finished.
+        reached = [int(p["step"]) - (1 if p.get("phase") in ("data read", "training step") else 0)
+                   for p in killed.values() if p.get("step") is not None]
+        # The death as the GCS saw it: the kill itself came a little earlier.
+        lead = f", dead {to_death:.1f} s after it" if to_death is not None else ""
+        text = (f"{source} notice on rank(s) {sorted(killed)} (nodes {', '.join(nodes) or '?'}){lead}: "
+                f"too little notice for a checkpoint at it (one step plus one checkpoint write); "
+                f"resuming from the newest checkpoint, step {stored}")
+        out: Dict[str, Any] = {
+            "source": source, "fell_back": True, "noticed_t": noticed_t, "notice_lead_s": None,
+            "notice_to_death_s": to_death, "noticed_ranks": sorted(killed), "cause": text,
+            "warning": f"{text}; the steps after it are recomputed"}
+        if reached:
+            out["last_step_seen"] = max(reached)
+        return out
+
+    def died_after_notice(self, rank: int, exc: BaseException) -> bool:
+        """Whether ``rank`` (its failure ``exc``) died after it had been given notice
+        (its position record holds a notice): Ray Train's failure policy counts the
+        failure as a preemption (``compat.ray_train.count_notices_as_preemptions``)."""
+        return bool(self._dead_position(rank, exc).get("notices"))
+
+    def _dead_position(self, rank: int, exc: BaseException) -> Dict[str, Any]:
+        """The last position record of ``rank`` if ``exc`` says it died (read on its
+        node and removed there; {} for a live rank or an unknown record), with the
+        actor's death time from the GCS as ``t``: read once per failure."""
+        meta = self.workers.get(rank, {})
+        key = (rank, meta.get("pid"))
+        if key not in self._dead:
+            from elastic_ddp.controller.failures import death_of
+
+            dead = death_of(exc)
+            rec: Dict[str, Any] = {}
+            if dead is not None:
+                pos = read_position(meta.get("node_id"), meta.get("pid")) or {}
+                if pos and pos.get("run") not in (None, self.run_name) and self.run_name:
+                    pos = {}
+                t = actor_death_time(getattr(dead, "actor_id", None))
+                rec = {**pos, "t": t if t is not None else pos.get("t")}
+            self._dead[key] = rec
+        return self._dead[key]
 
     def _stored_step(self) -> int:
         """The newest complete checkpoint in storage: the one the restart resumes from
@@ -199,18 +273,8 @@ class ElasticEvents(UserCallback):
         with the actor's death time from the GCS as ``t`` (who died first)."""
         from elastic_ddp.controller.failures import death_of
 
-        out: Dict[int, dict] = {}
-        for rank, exc in pending.items():
-            dead = death_of(exc)
-            if dead is None:
-                continue
-            meta = self.workers.get(rank, {})
-            pos = read_position(meta.get("node_id"), meta.get("pid")) or {}
-            if pos and pos.get("run") not in (None, self.run_name) and self.run_name:
-                pos = {}
-            t = actor_death_time(getattr(dead, "actor_id", None))
-            out[rank] = {**pos, "t": t if t is not None else pos.get("t")}
-        return out
+        return {rank: self._dead_position(rank, exc) for rank, exc in pending.items()
+                if death_of(exc) is not None}
 
     def _live_positions(self, pending: Dict[int, Exception]) -> Dict[int, dict]:
         """The position records of the group's ranks that raised nothing (left in place:
@@ -279,8 +343,10 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
 
     def after_controller_start(self, train_run_context) -> None:
         retry_worker_deaths_at_start()
+        shut_down_failed_starts()
         if self.sink.preemption:
-            count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None)
+            count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None,
+                                         self.sink.died_after_notice)
         self.sink.mark("controller_started")
 
     def before_worker_group_start(self, worker_group_context) -> None:

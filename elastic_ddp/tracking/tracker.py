@@ -24,7 +24,8 @@ class JobTracker:
 
     Kept for the driver: ``latest`` metrics (progress), ``notices`` (warnings for the
     console, each once: the data-wait warning of :mod:`elastic_ddp.tracking.data_wait`,
-    also the run's tag ``elastic_ddp.warning.data_wait`` and ``warnings/data_wait.txt``),
+    also the run's tag ``elastic_ddp.warning.data_wait`` and ``warnings/data_wait.txt``;
+    an event's ``warning``, such as a preemption whose notice was too short),
     ``attempts`` (per worker-group
     start: world size and the start-up marks ``enter``/``ready``/``first_step`` in
     seconds since the epoch, and the first step), ``events`` (failures, resizes) and the
@@ -135,6 +136,9 @@ class JobTracker:
                 # A threaded actor may run the controller's calls out of order: an update
                 # can arrive before its event, and events before earlier ones.
                 event.update(self._early_updates.pop(event.get("index"), {}))
+                if event.get("warning"):  # e.g. a notice too short for its checkpoint
+                    self.notices.append({"kind": event.get("type"), "step": event.get("last_step_seen"),
+                                         "message": event["warning"]})
                 self.events.append(event)
                 self.events.sort(key=lambda e: e.get("index", 0))
             if timeline is not None:

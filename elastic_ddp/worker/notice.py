@@ -27,7 +27,9 @@ Costs: that all-reduce, hidden behind the step (``experiments/bench_overhead.py
 step.
 A notice that reaches the ranks less than one step plus one checkpoint's write before the
 node goes is too late: the restart resumes from the newest checkpoint, and the
-controller's ``preemption`` event says how many steps that recomputed.
+controller's ``preemption`` event (``fell_back``) says how many steps that recomputed. A
+SIGTERM is also written into the rank's position record at once, so that the controller
+knows a rank killed before the checkpoint had been given notice.
 
 Per-step mode needs no agreement: every step is already agreed by its quorum, and a
 replica that stops asking for quorums is dropped by torchft's lighthouse once its
@@ -78,9 +80,16 @@ def build(trainer) -> Optional["NoticeListener"]:
     return NoticeListener(trainer)
 
 
+#: This process's rank position record (``positions.Position``, set by the listener): a
+#: SIGTERM is written there at once, so that a kill before the checkpoint at the notice
+#: leaves the notice for the controller (a preemption with too little notice).
+_position = None
+
+
 def install_sigterm_handler() -> None:
-    """Run in the worker's main thread: SIGTERM notes a notice; a second one runs the
-    handler that was there before (Ray's: the process exits)."""
+    """Run in the worker's main thread: SIGTERM notes a notice (and writes it into the
+    rank's position record); a second one runs the handler that was there before (Ray's:
+    the process exits)."""
     before = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
@@ -92,6 +101,8 @@ def install_sigterm_handler() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
             return
         notice.note("sigterm")
+        if _position is not None:
+            _position.noticed("sigterm", notice.noted()["sigterm"])
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -108,6 +119,8 @@ class NoticeListener:
         self.device = trainer.device if (dist.is_initialized() and dist.get_backend() == "nccl") \
             else torch.device("cpu")
         self.drain_seen: Optional[float] = None
+        global _position
+        _position = getattr(trainer, "position", None)
         if install:
             from elastic_ddp.compat.ray_train import run_in_main_thread
 

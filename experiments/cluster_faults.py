@@ -1,0 +1,129 @@
+"""Faults on a local multi-node Ray cluster, shared by the experiments that inject them
+(``chaos.py``, ``bench_recovery.py``, ``soak.py``): the cluster itself, this cluster's
+training worker processes, and the faults a cloud or Kubernetes delivers (a node drained
+with a deadline, a node lost, a process killed).
+
+Everything here acts on this machine's processes and this cluster's GCS only; Linux
+(``/proc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Iterator
+
+NODE_MEMORY = 100 * 2**20  # object store of each node: the jobs pass no large objects
+
+
+def children(pid: int, recursive: bool = True) -> list[int]:
+    """The child pids of ``pid`` (``recursive``: all its descendants), from /proc."""
+    kids: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(p.name))
+    if not recursive:
+        return kids.get(pid, [])
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` ('' when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def train_workers() -> list[dict]:
+    """The live Ray Train worker processes of the cluster this driver is connected to:
+    ``[{"pid", "node_id"}]``, from the GCS actor table (no dashboard needed), each pid
+    checked to still be a Ray worker process (its title starts with ``ray::``)."""
+    import ray._private.state as state
+
+    out = []
+    for info in state.actors(actor_state_name="ALIVE").values():
+        if info["ActorClassName"] == "RayTrainWorker" and info["Pid"]:
+            if cmdline(int(info["Pid"])).startswith("ray::"):
+                out.append({"pid": int(info["Pid"]), "node_id": info["Address"]["NodeID"]})
+    return out
+
+
+def train_worker_pids(cluster) -> list[int]:
+    """PIDs of ``ray::RayTrainWorker`` processes under ``cluster``'s worker raylets (never
+    another cluster's, even without a driver connected)."""
+    from ray._private import ray_constants
+
+    pids = []
+    for node in list(cluster.worker_nodes):
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            pids += [c for c in children(info.process.pid)
+                     if cmdline(c).startswith("ray::RayTrainWorker")]
+    return pids
+
+
+def add_node(cluster, tries: int = 3, **kw):
+    """``cluster.add_node`` with retries: Ray gives a raylet 30 s to register with the
+    GCS, which a machine shared by several Ray clusters does not always meet. Call it
+    from the main thread (Ray's ``Node`` installs a SIGTERM handler)."""
+    kw.setdefault("object_store_memory", NODE_MEMORY)
+    for i in range(tries):
+        try:
+            return cluster.add_node(**kw)
+        except Exception:  # noqa: BLE001 - "timed out during startup"; retried
+            if i == tries - 1:
+                raise
+            time.sleep(2)
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, **init) -> Iterator:
+    """A ``ray.cluster_utils.Cluster``: a head with ``head_cpus`` logical CPUs (the
+    driver's tasks, the Ray Train controller) and ``nodes`` worker nodes of ``node_cpus``,
+    this driver connected to it (``init``: more ``ray.init`` arguments); shut down on
+    exit. Logical CPUs: what Ray schedules by, not cores the processes are bound to."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster()
+    try:
+        add_node(cluster, num_cpus=head_cpus, include_dashboard=False)
+        for _ in range(nodes):
+            add_node(cluster, num_cpus=node_cpus)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, **{"logging_level": "WARNING", **init})
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def drain_node(address: str, node_id: str, deadline_s: float,
+               message: str = "spot reclaim (experiment)") -> None:
+    """Drain ``node_id`` as a preemption with ``deadline_s`` seconds of notice: the GCS
+    call ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+    --deadline-remaining-seconds N`` makes (and the autoscaler, and KubeRay), from this
+    process. The node stays up; removing it when the deadline passes is the caller's.
+
+    Raises:
+        RuntimeError: the GCS refused the drain."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=address)
+    accepted, why = gcs.drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message,
+        int(time.time() * 1000 + deadline_s * 1000))
+    if not accepted:
+        raise RuntimeError(f"the drain of node {node_id} was refused: {why}")

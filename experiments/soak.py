@@ -1,0 +1,479 @@
+"""Soak: the ``bench_gpt`` job on a local multi-node Ray cluster for ``--duration``
+seconds while a fault is drawn about every ``--interval`` seconds: a training worker
+SIGKILLed, a worker SIGTERMed, a node drained with a 20 s deadline and removed when it
+passes, a node removed without notice, a node added. Then the figures that say what
+the faults cost and whether anything was lost.
+
+    .venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4 --max-bytes 3000000
+    .venv/bin/python experiments/soak.py --mode restart                  # 60 min of faults
+    .venv/bin/python experiments/soak.py --mode per_step --duration 300  # 5 min
+
+What it does:
+
+1. Starts a ``ray.cluster_utils.Cluster``: a head (1 logical CPU: the driver's Ray calls,
+   the Ray Train controller, the tracker) and ``--nodes`` worker nodes (2 logical CPUs
+   each). A training worker asks for 2 logical CPUs, so a node holds one worker and a
+   worker never lands on the head: removing a node removes a rank. Each worker runs one
+   torch thread: the job needs two cores whatever the node count.
+2. The job: ``experiments/configs/bench_gpt.yaml`` (a 2-layer byte-level GPT, global
+   batch 32, steps of a few hundred ms on one core) with a checkpoint every 20 steps,
+   ``min_workers=1``, ``max_workers=2``, unlimited restarts and preemptions, the sample
+   ledger on, ``scaling.fault_tolerance=--mode``. Epochs: ``--epochs``, else enough for
+   the uninterrupted job to train ``--duration`` seconds at the rate a 30-step calibration
+   job measures first (the faults make the job last longer; they stop at ``--duration``).
+3. From the first step on, every ``--interval`` x U(0.5, 1.5) seconds, one fault drawn
+   from those that are possible now (``--kinds``): ``sigkill`` / ``sigterm`` a random
+   training worker process; ``drain`` a node hosting a worker (Ray's own
+   ``DrainNode`` GCS call with reason ``DRAIN_NODE_REASON_PREEMPTION``, what ``ray
+   drain-node --deadline-remaining-seconds 20``, the autoscaler and KubeRay make), then
+   remove it when its deadline passes; ``remove`` a node hosting a worker, no notice;
+   ``add`` a node. Between 1 and ``--nodes`` worker nodes stay up (``add`` is drawn
+   twice as often as each removal, so the cluster refills).
+4. Runs the same job uninterrupted (same config and samples) on the full cluster:
+   ``--baseline after`` (default), ``before``, or ``none``.
+5. Prints, per fault kind: how many; how many restarted something (a restart event of
+   the run, a failure, preemption or resize, follows the fault; a spare node removed or
+   a node added while the job runs at its maximum size restart nothing); recovery
+   seconds (from the fault to the first step of a process started after its event: the
+   restarted group, or in ``per_step`` mode the replacement); stall seconds (the longest
+   pause between two trained steps of any process during the fault and its recovery);
+   steps recomputed (trained again after it, from the ledger);
+   then goodput, the ledger audit of every epoch (``elastic_ddp.ledger.audit``: samples
+   repeated and lost), the product's restart events, and the final val_loss against the
+   uninterrupted run's. All of it also goes to ``--out/soak-<mode>.json``.
+
+Exit status: 0 when the job finished, every epoch's audit is clean and the val_loss is
+within ``--val-rtol`` of the uninterrupted run's; else 1. Everything runs on this
+machine: the figures measure Ray's and elastic-ddp's recovery paths, not a network.
+Ctrl-C stops it; the cluster is shut down on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_faults, when loaded by path
+from cluster_faults import add_node, drain_node, local_cluster, train_workers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "experiments/configs/bench_gpt.yaml"
+KINDS = ("sigkill", "sigterm", "drain", "remove", "add")
+LABELS = {"sigkill": "worker SIGKILL", "sigterm": "worker SIGTERM",
+          "drain": "node drain + removal", "remove": "node removed, no notice",
+          "add": "node added"}
+NODE_CPUS = 2  # logical: a worker asks for all of a node's, never the head's one
+
+
+# --------------------------------------------------------------------- the schedule
+def possible(kind: str, nodes: int, max_nodes: int, workers: int) -> bool:
+    """Whether ``kind`` can be injected with ``nodes`` worker nodes up (of at most
+    ``max_nodes``) and ``workers`` live training worker processes: a kill needs a
+    worker, a removal leaves one node at least, an addition needs room."""
+    if kind in ("sigkill", "sigterm"):
+        return workers > 0
+    if kind in ("drain", "remove"):
+        return nodes >= 2
+    if kind == "add":
+        return nodes < max_nodes
+    raise ValueError(f"unknown fault kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def draw(rng: random.Random, kinds: tuple[str, ...], nodes: int, max_nodes: int,
+         workers: int) -> Optional[str]:
+    """The next fault kind, uniform over the possible ones of ``kinds`` with ``add``
+    counted twice (a node removed and one added balance out); None when none is
+    possible."""
+    pool = [k for k in kinds if possible(k, nodes, max_nodes, workers)]
+    pool += ["add"] if "add" in pool else []
+    return rng.choice(pool) if pool else None
+
+
+def next_gap(rng: random.Random, interval: float) -> float:
+    """Seconds to the next fault: ``interval`` x U(0.5, 1.5)."""
+    return interval * rng.uniform(0.5, 1.5)
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``"sigkill,drain"`` -> ``("sigkill", "drain")``, in :data:`KINDS` order.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown or no kind."""
+    got = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in got if k not in KINDS]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"fault kinds: {', '.join(bad) or '(none)'} not in {', '.join(KINDS)}")
+    return tuple(k for k in KINDS if k in got)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("restart", "per_step"), default="restart",
+                    help="scaling.fault_tolerance")
+    ap.add_argument("--duration", type=float, default=3600.0, help="seconds of faults")
+    ap.add_argument("--interval", type=float, default=30.0, help="mean seconds between faults")
+    ap.add_argument("--kinds", type=parse_kinds, default=KINDS, help=f"fault kinds drawn ({','.join(KINDS)})")
+    ap.add_argument("--drain-deadline", type=float, default=20.0, help="seconds of notice a drain gives")
+    ap.add_argument("--nodes", type=int, default=3, help="worker nodes at most (and at the start)")
+    ap.add_argument("--epochs", type=int, default=None, help="default: from a calibration run")
+    ap.add_argument("--data", default=str(ROOT / "data/pycode_bench"), help="a pycode data set (train/, val/)")
+    ap.add_argument("--baseline", choices=("after", "before", "none"), default="after",
+                    help="when to run the uninterrupted job")
+    ap.add_argument("--val-rtol", type=float, default=1e-3,
+                    help="relative tolerance of the final val_loss against the uninterrupted run's")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the fault schedule")
+    ap.add_argument("--out", default="/tmp/elastic-ddp-soak", help="MLflow store, checkpoints, ledgers, JSON")
+    ap.add_argument("--set", action="append", default=[], help="more key=value config overrides")
+    args = ap.parse_args(argv)
+    if args.nodes < 2:
+        ap.error("--nodes must be 2 or more (a node can only leave when another stays)")
+    return args
+
+
+# ------------------------------------------------------------------------ the faults
+@dataclass
+class Fault:
+    """One injected fault: ``t`` when (seconds since the epoch; a drain: the drain call),
+    ``until`` when it was over (a drain: its node's removal), what it hit."""
+
+    kind: str
+    t: float
+    until: float
+    detail: str
+    nodes_after: int
+    ok: bool = True
+
+
+@dataclass
+class Injector:
+    """Draws and injects the faults, from the main thread (Ray's ``Node`` installs a
+    SIGTERM handler, which Python allows only there)."""
+
+    cluster: object
+    args: argparse.Namespace
+    rng: random.Random
+    log: list[Fault] = field(default_factory=list)
+
+    def _node_of(self, node_id: str):
+        return next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+
+    def _target_node(self):
+        """A node hosting a training worker (a random one), else any worker node."""
+        hosting = [n for n in (self._node_of(w["node_id"]) for w in train_workers()) if n is not None]
+        pool = hosting or list(self.cluster.worker_nodes)
+        return self.rng.choice(sorted(pool, key=lambda n: n.node_id))
+
+    def inject(self, kind: str, stop: threading.Event) -> Fault:
+        t = time.time()
+        until, ok = t, True
+        try:
+            if kind in ("sigkill", "sigterm"):
+                w = self.rng.choice(sorted(train_workers(), key=lambda w: w["pid"]))
+                os.kill(w["pid"], signal.SIGKILL if kind == "sigkill" else signal.SIGTERM)
+                detail = f"pid {w['pid']}"
+            elif kind == "drain":
+                node = self._target_node()
+                drain_node(self.cluster.address, node.node_id, self.args.drain_deadline)
+                print(f"[soak] {time.strftime('%H:%M:%S')} drain {node.node_id[:12]} "
+                      f"(removal in {self.args.drain_deadline:.0f} s)", flush=True)
+                stop.wait(max(0.0, t + self.args.drain_deadline - time.time()))
+                self.cluster.remove_node(node)
+                until = time.time()
+                detail = f"node {node.node_id[:12]}, removed after {until - t:.1f} s"
+            elif kind == "remove":
+                node = self._target_node()
+                self.cluster.remove_node(node)
+                detail = f"node {node.node_id[:12]}"
+            else:
+                node = add_node(self.cluster, num_cpus=NODE_CPUS)
+                detail = f"node {node.node_id[:12]}"
+        except Exception as e:  # noqa: BLE001 - the soak goes on; the failure is reported
+            detail, ok = f"failed: {type(e).__name__}: {e}", False
+        f = Fault(kind, t, until, detail, len(self.cluster.worker_nodes), ok)
+        self.log.append(f)
+        print(f"[soak] {time.strftime('%H:%M:%S')} {kind} {detail} (worker nodes now "
+              f"{f.nodes_after})", flush=True)
+        return f
+
+    def run(self, end_t: float, stop: threading.Event) -> None:
+        """Faults until ``end_t`` or ``stop`` (the job ended)."""
+        while not stop.wait(next_gap(self.rng, self.args.interval)) and time.time() < end_t:
+            kind = draw(self.rng, self.args.kinds, len(self.cluster.worker_nodes), self.args.nodes,
+                        len(train_workers()))
+            if kind is not None:
+                self.inject(kind, stop)
+
+
+# ------------------------------------------------------------------- what they cost
+def _ledger_processes(ledger_dir: Path) -> list[dict]:
+    """One entry per ledger file (a worker process: an attempt's rank, or a per-step
+    replica): its start ``t``, the times of the steps it trained (``steps``: [(t,
+    step)], restart mode's step lines, per-step mode's commit lines), and per-step mode's
+    shares (``(step, quorum)`` of each step line) and commits (``(step, quorum)`` -> t)."""
+    out = []
+    for f in sorted(ledger_dir.glob("attempt-*-rank*.jsonl")):
+        lines = f.read_text().splitlines()
+        if not lines:
+            continue
+        head = json.loads(lines[0])
+        steps, shares, commits = [], set(), {}
+        for ln in lines[1:]:
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+            if "commit" in rec:
+                steps.append((float(rec["t"]), int(rec["commit"])))
+                commits[(int(rec["commit"]), int(rec["quorum"]))] = float(rec["t"])
+            elif "quorum" in rec:
+                shares.add((int(rec["step"]), int(rec["quorum"])))
+            elif "t" in rec:
+                steps.append((float(rec["t"]), int(rec["step"])))
+        out.append({"t": float(head["t"]), "rank": int(head["rank"]), "steps": steps,
+                    "shares": shares, "commits": commits})
+    return out
+
+
+RESTART_EVENTS = ("failure", "preemption", "resize")
+
+
+def fault_events(faults: list[Fault], events: list[dict]) -> list[list[dict]]:
+    """The run's restart events (``Summary.events``: failures, preemptions, resizes, as
+    the controller decided them) of each fault: an event belongs to the latest fault
+    injected before it. A fault with none restarted nothing (a spare node removed, a node
+    added while the job ran at its maximum size or while it was restarting anyway)."""
+    out: list[list[dict]] = [[] for _ in faults]
+    for ev in sorted((e for e in events if e.get("type") in RESTART_EVENTS), key=lambda e: e["t"]):
+        i = max((i for i, f in enumerate(faults) if f.t <= ev["t"]), default=None)
+        if i is not None:
+            out[i].append(ev)
+    return out
+
+
+def per_fault(faults: list[Fault], events: list[dict], ledger_dir: Path, mode: str,
+              end_t: float) -> list[dict]:
+    """Each fault's cost. With its first restart event (:func:`fault_events`), from the
+    ledger: ``recovery_s`` (the fault -> the first step of a process started after that
+    event: the restarted group, or in per-step mode the replacement; None when none
+    started), ``stall_s`` (the longest gap between consecutive trained steps of any
+    process that overlaps the fault and its recovery), ``steps_recomputed`` (restart
+    mode: steps the attempt running at the event trained past the checkpoint the next one
+    resumed from, ``ledger.recomputed_after``). Per-step mode's ``steps_recomputed``:
+    steps no quorum committed, or a second quorum committed again, redone after the fault
+    and before the next one. A fault without an event: None, None, 0."""
+    from elastic_ddp.ledger import read_attempts, recomputed_after
+
+    procs = _ledger_processes(ledger_dir)
+    times = sorted({t for p in procs for t, _ in p["steps"]})
+    attempts = read_attempts(ledger_dir) if mode == "restart" else []
+    # Per-step mode: the time each wasted step was trained again. A share no quorum
+    # committed: when its step was first committed (the redo); a step committed by a
+    # second quorum (a restart from a durable checkpoint): that commit.
+    commit_t: dict[tuple[int, int], float] = {}
+    for p in procs:
+        commit_t.update(p["commits"])
+    first: dict[int, tuple[float, int]] = {}
+    for (s, q), t in sorted(commit_t.items(), key=lambda kv: kv[1]):
+        first.setdefault(s, (t, q))
+    shares = {sq for p in procs for sq in p["shares"]}
+    redone = [first[s][0] for s, q in shares if (s, q) not in commit_t and s in first]
+    redone += [t for (s, q), t in commit_t.items() if first[s][1] != q]
+    rows = []
+    for i, (f, evs) in enumerate(zip(faults, fault_events(faults, events))):
+        nxt = faults[i + 1].t if i + 1 < len(faults) else end_t
+        recovery = stall = None
+        recomputed = 0
+        if evs:
+            t_ev = evs[0]["t"]
+            back = min((min((t for t, _ in p["steps"]), default=math.inf) for p in procs if p["t"] > t_ev),
+                       default=math.inf)
+            recovery = back - f.t if back < math.inf else None
+            hi = max(f.until, f.t + recovery if recovery is not None else end_t)
+            stall = max((b - a for a, b in zip(times, times[1:]) if b > f.t and a < hi), default=None)
+            if mode == "restart":
+                r = recomputed_after(attempts, t_ev)
+                recomputed = r["steps_recomputed"] if r is not None else 0
+        if mode != "restart":
+            recomputed = sum(f.t <= t < nxt for t in redone)
+        rows.append({**asdict(f), "recovery_s": recovery, "stall_s": stall, "steps_recomputed": recomputed,
+                     "events": [{k: e.get(k) for k in ("type", "source", "fell_back", "cause")} for e in evs]})
+    return rows
+
+
+def _spread(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    return f"{statistics.median(xs):.1f} / {max(xs):.1f}" if xs else "-"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Per fault kind: count, recovery and stall seconds (median / max), steps
+    recomputed (total / max), and how many faults restarted a process."""
+    lines = [f"{'fault':<24} {'count':>5} {'recovery s (med/max)':>21} {'stall s (med/max)':>18} "
+             f"{'recomputed (sum/max)':>21} {'restarted':>9}"]
+    for kind in KINDS:
+        rs = [r for r in rows if r["kind"] == kind and r["ok"]]
+        if not rs:
+            continue
+        rec = [r["steps_recomputed"] for r in rs]
+        lines.append(f"{LABELS[kind]:<24} {len(rs):>5} {_spread([r['recovery_s'] for r in rs]):>21} "
+                     f"{_spread([r['stall_s'] for r in rs]):>18} {f'{sum(rec)} / {max(rec)}':>21} "
+                     f"{sum(r['recovery_s'] is not None for r in rs):>9}")
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        lines.append(f"(not injected: {len(failed)}: " + "; ".join(f"{r['kind']} {r['detail']}" for r in failed) + ")")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- the jobs
+def job_config(args: argparse.Namespace, out: Path, name: str, epochs: int, max_steps=None):
+    from elastic_ddp.config import Config
+
+    data = Path(args.data).resolve()
+    return Config.load(CONFIG, [
+        f"data.train_path={data / 'train'}", f"data.val_path={data / 'val'}",
+        f"train.epochs={epochs}", f"train.max_steps={'' if max_steps is None else max_steps}",
+        "train.checkpoint_every_steps=20", "train.log_every_steps=10",
+        "scaling.min_workers=1", "scaling.max_workers=2", f"scaling.cpus_per_worker={NODE_CPUS}",
+        "scaling.torch_threads=1", "scaling.max_failures=-1", "scaling.resize_monitor_interval_s=10",
+        "scaling.use_gpu=false", f"scaling.fault_tolerance={args.mode}",
+        f"run.name={name}", f"run.storage_path={out / 'ray_results'}",
+        f"run.tracking_uri=sqlite:///{out / 'mlflow.db'}", "run.experiment_name=soak", *args.set])
+
+
+def calibrate(args: argparse.Namespace, out: Path, stamp: str) -> float:
+    """Steps per second of the uninterrupted job (a 30-step run; the first 5 steps,
+    start-up and warm-up, left out)."""
+    from elastic_ddp.driver.launcher import train
+    from elastic_ddp.run_state import Diagnostics
+
+    ledger = out / "ledger" / f"calibrate-{stamp}"
+    train(job_config(args, out, f"soak-calibrate-{args.mode}-{stamp}", 1, 30), progress=False,
+          diagnostics=Diagnostics(ledger_dir=str(ledger)))
+    ts = sorted(t for p in _ledger_processes(ledger) if p["rank"] == 0 for t, s in p["steps"] if s > 5)
+    return (len(ts) - 1) / max(1e-9, ts[-1] - ts[0])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from elastic_ddp.data.scan import read_sample_ids
+    from elastic_ddp.driver.launcher import train
+    from elastic_ddp.ledger import audit, format_audit
+    from elastic_ddp.run_state import Diagnostics
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    ids = read_sample_ids(Path(args.data) / "train")
+    steps_per_epoch = -(-len(ids) // 32)  # bench_gpt's global batch
+    rng = random.Random(args.seed)
+    with local_cluster(args.nodes, NODE_CPUS, log_to_driver=False) as cluster:
+        epochs = args.epochs
+        if epochs is None:
+            rate = calibrate(args, out, stamp)
+            epochs = max(1, math.ceil(args.duration * rate / steps_per_epoch))
+            print(f"[soak] calibration: {rate:.2f} steps/s uninterrupted -> {epochs} epochs of "
+                  f"{steps_per_epoch} steps", flush=True)
+        baseline = None
+        if args.baseline == "before":
+            baseline = train(job_config(args, out, f"soak-baseline-{args.mode}-{stamp}", epochs), progress=False)
+        ledger = out / "ledger" / f"soak-{args.mode}-{stamp}"
+        cfg = job_config(args, out, f"soak-{args.mode}-{stamp}", epochs)
+        injector = Injector(cluster, args, rng)
+        stop, result = threading.Event(), {}
+
+        def run_job():
+            try:
+                result["summary"] = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
+            except BaseException as e:  # noqa: BLE001 - reported in the main thread
+                result["error"] = e
+            finally:
+                stop.set()
+
+        t0 = time.time()
+        job = threading.Thread(target=run_job, daemon=True)
+        job.start()
+        # The faults start with the first step (a ledger file: training has begun).
+        while not stop.wait(0.5) and not any(ledger.glob("attempt-*")):
+            pass
+        t_faults = time.time()
+        injector.run(t_faults + args.duration, stop)
+        t_faults_end = time.time()
+        # The nodes back, for the job's rest and the baseline (faults too: the job may
+        # grow on them).
+        while len(cluster.worker_nodes) < args.nodes and injector.inject("add", stop).ok:
+            pass
+        job.join()
+        wall = time.time() - t0
+        if args.baseline == "after" and "summary" in result:
+            baseline = train(job_config(args, out, f"soak-baseline-{args.mode}-{stamp}", epochs), progress=False)
+    if "error" in result:
+        print(f"[soak] the job failed: {type(result['error']).__name__}: {result['error']}", flush=True)
+        return 1
+    s = result["summary"]
+    rows = per_fault(injector.log, s.events, ledger, args.mode, t0 + wall)
+    report = audit(ledger, ids, epochs)
+    val = s.metrics.get("val_loss")
+    ref = baseline.metrics.get("val_loss") if baseline is not None else None
+    rel = abs(val - ref) / max(1e-12, abs(ref)) if val is not None and ref is not None else None
+    val_ok = ref is None or (rel is not None and rel <= args.val_rtol)
+    events = [{k: e.get(k) for k in ("type", "source", "fell_back", "world_size_before", "world_size_after",
+                                     "recovery_s", "resumed_at_step", "steps_recomputed", "cause")}
+              for e in s.events]
+
+    print(f"\n==== soak: {args.mode} mode, {t_faults_end - t_faults:.0f} s of faults (every ~{args.interval:.0f} s, "
+          f"seed {args.seed}), bench_gpt {epochs} epochs x {steps_per_epoch} steps, "
+          f"{args.nodes} worker nodes at most ====")
+    for r in rows:
+        def num(x):
+            return "-" if x is None else f"{x:.1f}"
+        print(f"  +{r['t'] - t_faults:6.0f} s {r['kind']:8s} recovery {num(r['recovery_s']):>5} s  stall "
+              f"{num(r['stall_s']):>5} s  recomputed {r['steps_recomputed']:3d}  {r['detail']}")
+    print(format_table(rows))
+    with_notice = [r for r in rows if r["kind"] in ("sigterm", "drain") and r["ok"]]
+    if with_notice:
+        print(f"faults with notice (SIGTERM, drain): {sum(r['steps_recomputed'] == 0 for r in with_notice)} "
+              f"of {len(with_notice)} recomputed 0 steps")
+    print(f"wall {wall:.0f} s  goodput {s.goodput:.1%} (committed training-step time / wall time)  "
+          f"steps {s.steps}  restarts {s.restarts}  world sizes {s.world_sizes_seen}")
+    print("restart events (the run's own record):")
+    for e in events:
+        print(f"  {e['type']:10s} {str(e['source'] or ''):8s} ws {e['world_size_before']}->{e['world_size_after']} "
+              f"recovery_s {e['recovery_s']} steps_recomputed {e['steps_recomputed']}"
+              f"{'  fell back' if e['fell_back'] else ''}  {str(e['cause'])[:90]}")
+    print("ledger audit:")
+    print(format_audit(report))
+    for p in report.get("problems", []):
+        print(f"  problem: {p}")
+    if ref is not None:
+        print(f"val_loss {val:.6f}, uninterrupted {ref:.6f}: relative difference {rel:.1e} "
+              f"({'within' if val_ok else 'OUTSIDE'} {args.val_rtol:.0e})")
+    else:
+        print(f"val_loss {val} (no uninterrupted run)")
+    figures = {"args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+               "epochs": epochs, "wall_s": wall, "faults_s": t_faults_end - t_faults,
+               "goodput": s.goodput, "steps": s.steps, "restarts": s.restarts,
+               "world_sizes_seen": s.world_sizes_seen, "faults": rows, "events": events,
+               "audit": {"ok": report["ok"], "problems": report.get("problems", []),
+                         "per_epoch": {ep: {k: e[k] for k in ("steps", "repeated", "lost", "unknown")}
+                                       for ep, e in report["epochs"].items()}},
+               "val_loss": val, "baseline_val_loss": ref, "val_rel_diff": rel}
+    path = out / f"soak-{args.mode}-{stamp}.json"
+    path.write_text(json.dumps(figures, indent=1, default=str))
+    print(f"(figures in {path})")
+    return 0 if report["ok"] and val_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

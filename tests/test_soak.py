@@ -1,0 +1,160 @@
+"""experiments/soak.py: its fault schedule (only faults that are possible now, the cluster
+refilled, reproducible from the seed), its arguments, the per-fault costs it reads from
+real ledgers (``elastic_ddp.ledger.LedgerWriter`` files of a restart-mode and a per-step
+job), and (``slow``) a short real soak on a local multi-node Ray cluster whose audit is
+clean and whose exit status is 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOAK = ROOT / "experiments" / "soak.py"
+
+
+@pytest.fixture(scope="module")
+def soak():
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_schedule_draws_only_possible_faults_and_refills_the_cluster(soak):
+    def simulate(seed: int, n: int = 3000, max_nodes: int = 3) -> tuple[list, Counter]:
+        rng, nodes, drawn, seen = random.Random(seed), max_nodes, [], Counter()
+        for _ in range(n):
+            gap = soak.next_gap(rng, 30.0)
+            assert 15.0 <= gap <= 45.0
+            kind = soak.draw(rng, soak.KINDS, nodes, max_nodes, workers=min(nodes, 2))
+            assert soak.possible(kind, nodes, max_nodes, min(nodes, 2)), (kind, nodes)
+            assert kind not in ("drain", "remove") or nodes >= 2
+            assert kind != "add" or nodes < max_nodes
+            nodes += {"add": 1, "drain": -1, "remove": -1}.get(kind, 0)
+            drawn.append((round(gap, 6), kind))
+            seen[nodes] += 1
+        return drawn, seen
+
+    drawn, nodes_seen = simulate(0)
+    assert drawn == simulate(0)[0] and drawn != simulate(1)[0]  # the seed decides
+    kinds = Counter(k for _, k in drawn)
+    assert set(kinds) == set(soak.KINDS), kinds
+    # Removals and additions balance: the cluster spends most of its time with 2 or 3 nodes.
+    assert nodes_seen[1] < 0.35 * sum(nodes_seen.values()), nodes_seen
+    rng = random.Random(0)
+    assert soak.draw(rng, ("drain", "remove"), 1, 3, 1) is None  # nothing possible
+    assert {soak.draw(rng, ("sigkill", "add"), 3, 3, 2) for _ in range(50)} == {"sigkill"}
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        soak.possible("reboot", 2, 3, 2)
+
+
+def test_the_arguments(soak, capsys):
+    a = soak.parse_args([])
+    assert (a.mode, a.duration, a.interval, a.drain_deadline, a.kinds, a.nodes, a.baseline) == (
+        "restart", 3600.0, 30.0, 20.0, soak.KINDS, 3, "after")
+    a = soak.parse_args(["--mode", "per_step", "--kinds", "drain, sigkill", "--duration", "90"])
+    assert (a.mode, a.kinds, a.duration) == ("per_step", ("sigkill", "drain"), 90.0)
+    for bad in (["--kinds", "sigkill,reboot"], ["--kinds", ","], ["--mode", "torchrun"], ["--nodes", "1"]):
+        with pytest.raises(SystemExit) as e:
+            soak.parse_args(bad)
+        assert e.value.code == 2, bad
+    err = capsys.readouterr().err
+    assert "reboot" in err and "--nodes must be 2 or more" in err
+
+
+def _steps(writer, epoch: int, steps, quorum=None, n=None) -> None:
+    for s in steps:
+        ids = np.arange(4 * (s - 1), 4 * s)
+        extra = {} if quorum is None else {"quorum": quorum, "n": n}
+        writer.record(epoch, s, ids, **extra)
+        writer.commit(epoch, s, **extra)
+        time.sleep(0.01)
+
+
+def test_per_fault_costs_of_a_restart_mode_ledger(soak, tmp_path):
+    """A SIGKILL at step 7 (checkpoint at 5), a failure event after it: the next attempt
+    resumes from 5, so 2 steps are recomputed; a node added later, no event, restarted
+    nothing."""
+    from elastic_ddp.ledger import LedgerWriter
+
+    w = LedgerWriter(str(tmp_path), 0, 0, 1)
+    _steps(w, 0, range(1, 8))
+    w.close()
+    kill = soak.Fault("sigkill", time.time(), time.time(), "pid 1", 3)
+    failure = {"type": "failure", "t": kill.t + 0.05}
+    time.sleep(0.2)
+    w = LedgerWriter(str(tmp_path), 0, 5, 1)
+    time.sleep(0.1)
+    _steps(w, 0, range(6, 11))
+    w.close()
+    add = soak.Fault("add", time.time(), time.time(), "node x", 3)
+    events = [failure, {"type": "checkpoint_rejected", "t": add.t + 0.01}]  # not a restart
+    assert soak.fault_events([kill, add], events) == [[failure], []]
+    rows = soak.per_fault([kill, add], events, tmp_path, "restart", time.time() + 1)
+    k, a = rows
+    assert k["steps_recomputed"] == 2 and 0.3 <= k["recovery_s"] < 1.0, k
+    assert k["stall_s"] >= k["recovery_s"] > 0, k
+    assert (a["recovery_s"], a["stall_s"], a["steps_recomputed"]) == (None, None, 0), a
+    table = soak.format_table(rows)
+    assert "worker SIGKILL" in table and "node added" in table and "2 / 2" in table, table
+
+
+def test_per_fault_costs_of_a_per_step_ledger(soak, tmp_path):
+    """Replicas 0 and 1 commit steps 1-3 in quorum 1; replica 1 dies in step 4 (its share
+    and replica 0's never commit); replica 0 redoes step 4 alone (quorum 2) and the
+    replacement joins at step 5 (quorum 3): 1 step recomputed, recovery at the
+    replacement's first commit."""
+    from elastic_ddp.ledger import LedgerWriter
+
+    a = LedgerWriter(str(tmp_path), 0, 0, 2, mode="per_step")
+    b = LedgerWriter(str(tmp_path), 1, 0, 2, mode="per_step")
+    for s in (1, 2, 3):
+        _steps(a, 0, [s], quorum=1, n=2)
+        _steps(b, 0, [s], quorum=1, n=2)
+    a.record(0, 4, np.arange(12, 14), quorum=1, n=2)
+    b.record(0, 4, np.arange(14, 16), quorum=1, n=2)
+    b.close()
+    kill = soak.Fault("sigkill", time.time(), time.time(), "pid 2", 3)
+    _steps(a, 0, [4], quorum=2, n=1)
+    time.sleep(0.2)  # the replacement starts after the failure event
+    c = LedgerWriter(str(tmp_path), 1, 4, 2, mode="per_step")
+    _steps(a, 0, [5], quorum=3, n=2)
+    _steps(c, 0, [5], quorum=3, n=2)
+    a.close()
+    c.close()
+    (row,) = soak.per_fault([kill], [{"type": "failure", "t": kill.t + 0.05}], tmp_path, "per_step",
+                            time.time() + 1)
+    assert row["steps_recomputed"] == 1, row
+    assert 0.2 <= row["recovery_s"] < 1.0 and row["stall_s"] is not None, row
+
+
+@pytest.mark.slow
+def test_a_short_soak_in_restart_mode_audits_clean_and_exits_0(pycode_data, tmp_path):
+    """About 75 s of faults (a SIGTERM, a SIGKILL, a drain, a node removed or added) on a
+    ~200 kB corpus; the job and its uninterrupted twin on a real 3-node local cluster."""
+    out = subprocess.run(
+        [sys.executable, str(SOAK), "--mode", "restart", "--duration", "75", "--interval", "15",
+         "--drain-deadline", "10", "--epochs", "3", "--data", str(pycode_data), "--seed", "3",
+         "--out", str(tmp_path / "soak")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    print(out.stdout[-6000:], out.stderr[-3000:])
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    text = out.stdout
+    assert "==== soak: restart mode" in text and "OK: every sample once per epoch" in text, text[-3000:]
+    faults = [ln for ln in text.splitlines() if ln.startswith("[soak]") and "(worker nodes now" in ln]
+    assert len(faults) >= 3, faults
+    table = text[text.index("==== soak"):text.index("ledger audit:")]
+    audit = text[text.index("ledger audit:"):]
+    epochs = [ln.split() for ln in audit.splitlines() if ln.strip()[:1].isdigit() and len(ln.split()) == 7]
+    assert len(epochs) == 3 and all(e[3] == "0" and e[4] == "0" for e in epochs), audit
+    assert "val_loss" in text and "within" in text, table
