@@ -98,10 +98,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_the_tracker_imports_mlflow_only_after_the_first_step(tmp_path):
+def test_the_tracker_imports_mlflow_only_after_the_first_step(tmp_path, mlflow_store):
     # At a job's start the MLflow import would compete for the CPUs with the Ray Train
     # controller and the workers; until the first step the tracker only buffers.
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     run_id = tracking.client(uri).create_run(tracking.experiment_id(uri, "tests")).info.run_id
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(f"""
