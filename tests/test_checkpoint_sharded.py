@@ -26,6 +26,7 @@ from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
+from helpers import start_ranks
 
 RUN = "sharded"
 
@@ -134,8 +135,7 @@ def _run_jobs(ws: int, jobs: list[tuple[dict, Path]]) -> list[torch.Tensor]:
     for out in outs:
         out.mkdir(parents=True, exist_ok=True)
     init = outs[0] / f"pg-{uuid.uuid4().hex}"
-    mp.start_processes(_worker, args=(ws, str(init), [j for j, _ in jobs], [str(o) for o in outs]),
-                       nprocs=ws, start_method="spawn")
+    start_ranks(_worker, (ws, str(init), [j for j, _ in jobs], [str(o) for o in outs]), ws)
     return [torch.load(out / job["result"], weights_only=True) for job, out in jobs]
 
 

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic_ddp.metrics import (
     PhaseClock,
@@ -26,6 +25,7 @@ from elastic_ddp.metrics import (
     step_breakdown,
     throughput,
 )
+from helpers import rank_context
 
 
 def test_ring_allreduce_bytes_matches_2_n_minus_1_over_n():
@@ -163,7 +163,7 @@ def _two_rank_entry(rank: int, init_file: str, q) -> None:
 
 
 def test_reduce_and_probe_allreduce_on_a_real_gloo_group(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     init = str(tmp_path / "pg")
     procs = [ctx.Process(target=_two_rank_entry, args=(r, init, q)) for r in range(2)]

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy, powersgd_start_step, zero_memory_bytes
 from elastic_ddp.tasks.loading import build_model as _build_model
 from elastic_ddp.tasks.loading import load_task
+from helpers import start_ranks
 
 
 def build_model(cfg: Config):
@@ -214,8 +214,7 @@ def _run_jobs(ws: int, jobs: list[dict], out_dir: Path) -> None:
     """``jobs`` one after another in one fresh process group of ``ws`` spawned ranks;
     each writes its result under ``out_dir`` (its ``save`` name)."""
     init = out_dir / f"pg-{uuid.uuid4().hex}"
-    mp.start_processes(_worker, args=(ws, str(init), jobs, str(out_dir)), nprocs=ws,
-                       start_method="spawn")
+    start_ranks(_worker, (ws, str(init), jobs, str(out_dir)), ws)
 
 
 def _load(out_dir: Path, name: str) -> dict:
