@@ -46,6 +46,31 @@ def pycode_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def _made_store(tmp_path_factory) -> Path:
+    """An MLflow sqlite store with its tables made, once per session (per xdist worker):
+    MLflow makes a new file's tables by running its whole chain of Alembic migrations,
+    3-10 s of CPU on a busy 2-core machine."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("made-store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments(max_results=1)
+    return db
+
+
+@pytest.fixture()
+def mlflow_store(tmp_path, _made_store) -> str:
+    """``sqlite:///<tmp_path>/mlflow.db``, a real MLflow store whose tables exist: a copy of
+    the session's made store (no experiment but MLflow's ``Default``). For tests whose
+    subject is not a new store's creation; the jobs of the e2e tests, the opener's and
+    the lease's tests still create theirs."""
+    import shutil
+
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(_made_store, db)
+    return f"sqlite:///{db}"
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A real local Ray cluster for one test module (4 logical CPUs: 2 workers plus

@@ -1,15 +1,19 @@
 """Sharded checkpoints (``elastic_ddp.checkpoint.manager``) on real gloo process groups
 (torch.multiprocessing, no Ray): ddp, zero1 and fsdp write at world size 2, each rank its
 own shard file, and resume at world sizes 1 and 3 on the uninterrupted curve; a file that
-fails its checksum makes the restore fall back to the previous checkpoint, naming it."""
+fails its checksum makes the restore fall back to the previous checkpoint, naming it.
+
+The gloo jobs of one world size run one after another in one spawned process group (a
+rank spends seconds importing torch, a job milliseconds); each builds its own strategy
+and checkpoint manager in a directory of its own."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-import socket
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
+from helpers import start_ranks
 
 RUN = "sharded"
 
@@ -33,12 +38,6 @@ def _cfg(strategy: str) -> Config:
         "optim": {"name": "adamw", "lr": 3e-3}, "parallel": {"strategy": strategy},
         "scaling": {"min_workers": 1, "max_workers": 3},
         "batch": {"global_batch_size": 12, "micro_batch_size": 12, "policy": "uneven"}})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(strategy, cfg, task, first: int, n: int, rank: int, ws: int) -> list[float]:
@@ -71,30 +70,36 @@ def _exits_cleanly(fn):
     return run
 
 
+def _job(rank, ws, job, out):
+    cfg = _cfg(job["strategy"])
+    task = load_task(cfg)
+    torch.manual_seed(0)
+    strategy = build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
+    mgr = CheckpointManager(out, RUN, {"c": 1}, rank, ws, collective=ws > 1,
+                            log=lambda m: None, strategy_name=job["strategy"])
+    first = 0
+    if job.get("restore"):
+        run_state, _ = mgr.restore(strategy)
+        first = run_state["progress"]["step"]
+    if job.get("async_kill"):
+        _async_then_kill(mgr, strategy, cfg, task, rank, ws, out)
+    losses = _steps(strategy, cfg, task, first, job["steps"], rank, ws)
+    if job.get("save"):
+        mgr.save(first + job["steps"], strategy, {"progress": {"step": first + job["steps"]}},
+                 report=False)
+    if rank == 0:
+        torch.save(torch.tensor(losses), Path(out) / job["result"])
+
+
 @_exits_cleanly
-def _worker(rank, ws, port, job, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, ws, init_file, jobs, outs):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    # A file rendezvous: no port picked in the parent that another process could take
+    # before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws)
     try:
-        cfg = _cfg(job["strategy"])
-        task = load_task(cfg)
-        torch.manual_seed(0)
-        strategy = build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
-        mgr = CheckpointManager(out, RUN, {"c": 1}, rank, ws, collective=ws > 1,
-                                log=lambda m: None, strategy_name=job["strategy"])
-        first = 0
-        if job.get("restore"):
-            run_state, _ = mgr.restore(strategy)
-            first = run_state["progress"]["step"]
-        if job.get("async_kill"):
-            _async_then_kill(mgr, strategy, cfg, task, rank, ws, out)
-        losses = _steps(strategy, cfg, task, first, job["steps"], rank, ws)
-        if job.get("save"):
-            mgr.save(first + job["steps"], strategy, {"progress": {"step": first + job["steps"]}},
-                     report=False)
-        if rank == 0:
-            torch.save(torch.tensor(losses), Path(out) / job["result"])
+        for job, out in zip(jobs, outs):
+            _job(rank, ws, job, out)
     finally:
         dist.destroy_process_group()
 
@@ -123,23 +128,54 @@ def _async_then_kill(mgr, strategy, cfg, task, rank, ws, out):
     raise AssertionError("rank 0 should have died inside the background write")
 
 
+def _run_jobs(ws: int, jobs: list[tuple[dict, Path]]) -> list[torch.Tensor]:
+    """``(job, its directory)`` pairs one after another in one spawned process group of
+    ``ws`` ranks; each job's losses."""
+    outs = [out for _, out in jobs]
+    for out in outs:
+        out.mkdir(parents=True, exist_ok=True)
+    init = outs[0] / f"pg-{uuid.uuid4().hex}"
+    start_ranks(_worker, (ws, str(init), [j for j, _ in jobs], [str(o) for o in outs]), ws)
+    return [torch.load(out / job["result"], weights_only=True) for job, out in jobs]
+
+
 def _run(ws: int, job: dict, out: Path) -> torch.Tensor:
-    mp.start_processes(_worker, args=(ws, _free_port(), job, str(out)), nprocs=ws,
-                       start_method="spawn")
-    return torch.load(out / job["result"], weights_only=True)
+    return _run_jobs(ws, [(job, out)])[0]
+
+
+STRATEGIES = ["ddp", "zero1", "fsdp"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def written(tmp_path_factory) -> tuple[torch.Tensor, dict]:
+    """Plain ddp at world size 2, 6 steps uninterrupted (the reference), and each
+    strategy's checkpoint written at world size 2 after 3 steps, then resumed at world
+    sizes 1 and 3 (steps 3..5): (reference, {strategy: (its directory, {ws: losses})})."""
+    base = tmp_path_factory.mktemp("sharded")
+    dirs = {st: base / st for st in STRATEGIES}
+    ref, *_ = _run_jobs(2, [({"strategy": "ddp", "steps": 6, "result": "ref.pt"}, base / "ref")]
+                        + [({"strategy": st, "steps": 3, "save": True, "result": "a.pt"}, d)
+                           for st, d in dirs.items()])
+    resumed: dict = {st: {} for st in STRATEGIES}
+    for ws in (1, 3):
+        got = _run_jobs(ws, [({"strategy": st, "steps": 3, "restore": True, "result": f"r{ws}.pt"}, d)
+                             for st, d in dirs.items()])
+        for st, losses in zip(STRATEGIES, got):
+            resumed[st][ws] = losses
+    return ref, {st: (dirs[st], resumed[st]) for st in STRATEGIES}
+
+
+@pytest.fixture(scope="module")
+def reference(written) -> torch.Tensor:
     """Plain ddp at world size 2, 6 steps uninterrupted."""
-    out = tmp_path_factory.mktemp("ref")
-    return _run(2, {"strategy": "ddp", "steps": 6, "result": "ref.pt"}, out)
+    return written[0]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
-def test_written_at_2_by_every_rank_resumes_at_1_and_3(reference, tmp_path, strategy):
-    _run(2, {"strategy": strategy, "steps": 3, "save": True, "result": "a.pt"}, tmp_path)
-    d = tmp_path / RUN / checkpoint_name(3)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_written_at_2_by_every_rank_resumes_at_1_and_3(written, strategy):
+    reference = written[0]
+    out, resumed = written[1][strategy]
+    d = out / RUN / checkpoint_name(3)
     manifest = json.loads((d / MANIFEST).read_text())
     shards = sorted(f for f in manifest["files"] if f.endswith(".distcp"))
     # Each rank wrote its own part; none holds the whole state.
@@ -148,8 +184,7 @@ def test_written_at_2_by_every_rank_resumes_at_1_and_3(reference, tmp_path, stra
     assert max(sizes) < 0.75 * sum(sizes), f"one rank wrote most of the state: {sizes}"
     assert manifest["world_size"] == 2 and manifest["step"] == 3
     for ws in (1, 3):
-        got = _run(ws, {"strategy": strategy, "steps": 3, "restore": True, "result": f"r{ws}.pt"},
-                   tmp_path)
+        got = resumed[ws]
         rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
         assert rel <= 1e-4, f"{strategy} written at 2, resumed at {ws}: drifts by {rel:.2e}"
 

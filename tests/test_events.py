@@ -17,12 +17,12 @@ from elastic_ddp.controller.events import (EVENTS_ARTIFACT, ControllerEvents, De
 
 
 @pytest.fixture()
-def sink(tmp_path):
+def sink(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.tracking import JobTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     exp = client.create_experiment("events", artifact_location=str(tmp_path / "artifacts"))
     run = client.create_run(exp)

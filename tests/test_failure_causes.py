@@ -27,13 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
-def controller(tmp_path):
+def controller(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
     from elastic_ddp.tracking import JobTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("c", artifact_location=str(tmp_path / "a")))
     events = ElasticEvents(InProcess(JobTracker(uri, run.info.run_id)), run_name="job",

@@ -43,7 +43,7 @@ def _gloo_peer_error(step: int, port: int):
 
 
 @pytest.fixture()
-def controller(tmp_path):
+def controller(tmp_path, mlflow_store):
     """ElasticEvents + ControllerEvents writing into a real tracker and sqlite store (the
     controller's callbacks, called in Ray Train's order, in this process)."""
     from mlflow.tracking import MlflowClient
@@ -51,7 +51,7 @@ def controller(tmp_path):
     from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
     from elastic_ddp.tracking import JobTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("c", artifact_location=str(tmp_path / "a")))
     events = ElasticEvents(InProcess(JobTracker(uri, run.info.run_id)), run_name="job")

@@ -54,7 +54,10 @@ def strict(schema: dict) -> dict:
         return [strict(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (strict(v) if k not in ("enum", "default", "required") else v) for k, v in schema.items()}
+    # "properties" is a map of field names, made strict field by field below (walking it
+    # here as well, as a schema, doubled the work at every nesting level: seconds a CRD).
+    out = {k: (strict(v) if k not in ("enum", "default", "required", "properties") else v)
+           for k, v in schema.items()}
     if "properties" in schema:
         out["properties"] = {k: strict(v) for k, v in schema["properties"].items()}
         if not schema.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in schema:

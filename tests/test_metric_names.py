@@ -37,7 +37,7 @@ def test_a_metric_name_mlflow_refuses_exits_2_up_front(tmp_path, capsys):
     nothing_started(tmp_path)
 
 
-def test_the_tracker_drops_what_the_store_refuses_and_writes_the_rest(tmp_path):
+def test_the_tracker_drops_what_the_store_refuses_and_writes_the_rest(tmp_path, mlflow_store):
     """Safety net behind the up-front check: a value MLflow refuses is dropped (counted,
     warned) instead of blocking every later metric in a retry loop."""
     from mlflow.tracking import MlflowClient
@@ -45,7 +45,7 @@ def test_the_tracker_drops_what_the_store_refuses_and_writes_the_rest(tmp_path):
     from elastic_ddp import tracking
     from elastic_ddp.tracking import JobTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
     tracker = JobTracker(uri, run_id, flush_period_s=0.2)

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic_ddp.metrics import (
     PhaseClock,
@@ -27,6 +25,7 @@ from elastic_ddp.metrics import (
     step_breakdown,
     throughput,
 )
+from helpers import rank_context
 
 
 def test_ring_allreduce_bytes_matches_2_n_minus_1_over_n():
@@ -122,18 +121,12 @@ def test_reduce_mean_max_without_process_group_passes_through():
 
 
 # ---------------------------------------------------------------- real 2-rank gloo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_body(rank: int, port: int, out: dict) -> None:
+def _two_rank_body(rank: int, init_file: str, out: dict) -> None:
     from elastic_ddp.parallel.strategies import allreduce_gradients
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A file rendezvous: no port picked here that another process could take first.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         stats, sums = reduce_mean_max({"step_s": 1.0 + rank, "mem": 10.0 * (rank + 1)}, 2,
                                       extra_sums={"count": 5.0})
@@ -157,9 +150,9 @@ def _two_rank_body(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _two_rank_entry(rank: int, port: int, q) -> None:
+def _two_rank_entry(rank: int, init_file: str, q) -> None:
     out: dict = {}
-    _two_rank_body(rank, port, out)
+    _two_rank_body(rank, init_file, out)
     q.put((rank, out))
     # Flush the queue, then leave without the interpreter's static destructors: gloo's
     # C++ threads can still be joinable then, and std::terminate would abort (SIGABRT)
@@ -169,11 +162,11 @@ def _two_rank_entry(rank: int, port: int, q) -> None:
     os._exit(0)
 
 
-def test_reduce_and_probe_allreduce_on_a_real_gloo_group():
-    ctx = mp.get_context("spawn")
+def test_reduce_and_probe_allreduce_on_a_real_gloo_group(tmp_path):
+    ctx = rank_context()
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_two_rank_entry, args=(r, port, q)) for r in range(2)]
+    init = str(tmp_path / "pg")
+    procs = [ctx.Process(target=_two_rank_entry, args=(r, init, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=120) for _ in procs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -47,10 +48,18 @@ def test_the_helper_opens_the_run_and_monitors_the_system_until_finish(digits_da
 
 def test_a_cancelled_helper_opens_nothing_and_creates_no_store(tmp_path):
     db = tmp_path / "mlflow.db"
+    # A driver that stops without a request (it died before sending one): its helper
+    # reads the end of its stdin once MLflow is imported and exits by itself.
+    orphan = RunOpener(f"sqlite:///{db}")
+    orphan._p.stdin.close()
+    # An input check failed: cancel() kills the helper in its MLflow import (which
+    # takes far longer than this call) instead of waiting for the import to end.
     opener = RunOpener(f"sqlite:///{db}")
-    time.sleep(0.5)  # mid-import
     opener.cancel()
-    assert opener._p.returncode == 0 and not db.exists()
+    assert opener._p.returncode == -signal.SIGKILL
+    # No timeout that a loaded machine could miss: the import is seconds there.
+    assert orphan._p.wait(timeout=300) == 0
+    assert not db.exists()
 
 
 def test_the_helper_exits_when_the_driver_dies(digits_data, tmp_path):
@@ -89,10 +98,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_the_tracker_imports_mlflow_only_after_the_first_step(tmp_path):
+def test_the_tracker_imports_mlflow_only_after_the_first_step(tmp_path, mlflow_store):
     # At a job's start the MLflow import would compete for the CPUs with the Ray Train
     # controller and the workers; until the first step the tracker only buffers.
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     run_id = tracking.client(uri).create_run(tracking.experiment_id(uri, "tests")).info.run_id
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(f"""

@@ -89,15 +89,22 @@ def test_a_holder_elsewhere_is_live_while_it_heartbeats_and_stale_after(tmp_path
     lease.release()
 
 
-def test_the_holder_renews_its_heartbeat(tmp_path):
-    from elastic_ddp.driver.lease import HEARTBEAT_S, RunLease
+def test_the_holder_renews_its_heartbeat(tmp_path, monkeypatch):
+    from elastic_ddp.driver import lease as lease_module
+    from elastic_ddp.driver.lease import STALE_S, RunLease
 
+    # A renewal well inside the staleness limit, as the module sets them.
+    assert lease_module.HEARTBEAT_S * 3 <= STALE_S
+    # The beat thread reads the period at each wait: 0.5 s instead of 5 s keeps the test
+    # to a second or two of sleep.
+    monkeypatch.setattr(lease_module, "HEARTBEAT_S", 0.5)
+    beat = lease_module.HEARTBEAT_S
     lease = RunLease(str(tmp_path), "job").acquire()
     try:
         first = json.loads((tmp_path / ".leases" / "job.json").read_text())["heartbeat"]
-        time.sleep(HEARTBEAT_S * 2 + 1)
+        time.sleep(beat * 2 + 1)
         later = json.loads((tmp_path / ".leases" / "job.json").read_text())["heartbeat"]
-        assert later >= first + HEARTBEAT_S, (first, later)
+        assert later >= first + beat, (first, later)
     finally:
         lease.release()
 
@@ -109,23 +116,37 @@ def test_two_processes_opening_runs_on_a_fresh_sqlite_store_both_succeed(tmp_pat
         import sys, time
         from elastic_ddp.config import Config
         from elastic_ddp.tracking import open_run
-        root, name, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+        import mlflow.store.tracking.sqlalchemy_store  # what the open imports, before the start
+        root, name = sys.argv[1], sys.argv[2]
         cfg = Config.from_dict({"data": {"train_path": root}, "model": {"name": "mlp"},
                                 "run": {"name": name,
                                 "experiment_name": "tests", "tracking_uri": f"sqlite:///{root}/mlflow.db",
                                 "storage_path": root}})
+        print("ready", flush=True)
+        start = float(sys.stdin.readline())
         time.sleep(max(0.0, start - time.time()))  # both at the same moment, imports done
         print(open_run(cfg, root, cfg.run.tracking_uri)[0])
     """)
-    for trial in range(3):
-        root = tmp_path / f"t{trial}"
+    # Three pairs at once, each on a fresh store of its own: a collision is a matter of
+    # timing, so one pair could pass by luck; three in turn cost three imports in turn.
+    roots = [tmp_path / f"t{trial}" for trial in range(3)]
+    procs = []
+    for root in roots:
         root.mkdir()
-        start = time.time() + 15
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(root), f"job{i}", str(start)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=dict(os.environ, PYTHONPATH=str(REPO))) for i in range(2)]
-        outs = [p.communicate(timeout=180) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outs
+        procs += [subprocess.Popen([sys.executable, "-c", code, str(root), f"job{i}"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=dict(os.environ, PYTHONPATH=str(REPO))) for i in range(2)]
+    # Once all have imported, one start time half a second ahead for all: a fixed lead
+    # for the imports (15 s) idles on an idle machine and can be too short on a busy
+    # one, where the two opens of a pair would no longer meet.
+    assert [p.stdout.readline().strip() for p in procs] == ["ready"] * len(procs)
+    start = time.time() + 0.5
+    for p in procs:
+        p.stdin.write(f"{start}\n")
+        p.stdin.flush()
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), outs
+    for root in roots:
         assert len(mlflow_runs(root)) == 2
 
 

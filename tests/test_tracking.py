@@ -84,12 +84,12 @@ def test_git_remote_credentials_never_reach_a_tag(tmp_path):
     assert len(info["commit"]) == 40 and info["dirty"] == "false"
 
 
-def test_dataset_input_and_table_in_a_real_store(digits_data, tmp_path):
+def test_dataset_input_and_table_in_a_real_store(digits_data, tmp_path, mlflow_store):
     from elastic_ddp.data.scan import scan_parquet
     from elastic_ddp.tasks.loading import count_params, load_task
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     run_id, resumed = tracking.open_run(cfg, "storage", uri)
     task = load_task(cfg)
     info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
@@ -111,12 +111,12 @@ def test_dataset_input_and_table_in_a_real_store(digits_data, tmp_path):
     assert table["columns"] == ["phase", "seconds"] and table["data"] == [["scan", 1.5]]
 
 
-def test_logged_model_loads_with_mlflow_pytorch(tmp_path):
+def test_logged_model_loads_with_mlflow_pytorch(tmp_path, mlflow_store):
     import mlflow.pytorch
     import torch
 
     cfg = Config.from_dict(digits_config(tmp_path / "d", tmp_path))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     run_id, _ = tracking.open_run(cfg, "storage", uri)
     from elastic_ddp.tasks.loading import build_model, load_task
 
@@ -205,14 +205,14 @@ def test_restart_event_rows_carry_times_as_text():
     assert list(row)[:4] == ["index", "type", "time", "cause"]
 
 
-def test_the_tracker_counts_restarts_across_submissions(tmp_path):
+def test_the_tracker_counts_restarts_across_submissions(tmp_path, mlflow_store):
     """A resubmission's tracker continues the earlier submissions' count: two attempts at
     world sizes 2 and 1 before, this start makes three, and the run's tag says so."""
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.tracking import JobTracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
     t = JobTracker(uri, run_id, attempts_before=2, world_sizes_before=[2, 1])

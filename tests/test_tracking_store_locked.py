@@ -10,7 +10,7 @@ import time
 from helpers import hold_sqlite_lock
 
 
-def test_a_locked_store_delays_metrics_and_the_drivers_calls_but_loses_nothing(tmp_path, capsys):
+def test_a_locked_store_delays_metrics_and_the_drivers_calls_but_loses_nothing(tmp_path, capsys, mlflow_store):
     """The sqlite store locked for 25 s (longer than MLflow's own 20 s busy timeout):
     the tracker buffers and writes every metric later, counting each delayed value once
     and the outage's length; the driver's closing calls retry instead of raising."""
@@ -20,7 +20,7 @@ def test_a_locked_store_delays_metrics_and_the_drivers_calls_but_loses_nothing(t
     from elastic_ddp.tracking import JobTracker
 
     db = tmp_path / "mlflow.db"
-    uri = f"sqlite:///{db}"
+    uri = mlflow_store
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
     tracker = JobTracker(uri, run_id, flush_period_s=0.2)

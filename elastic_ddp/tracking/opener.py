@@ -42,8 +42,9 @@ class RunOpener:
     system-metrics monitor (its last samples written) and the process.
 
     The helper ignores SIGINT: a Ctrl-C in the terminal reaches it too, and a run it is
-    opening must be finished so that the driver can close it as KILLED. It exits when
-    the driver closes its stdin without a request (:meth:`cancel`) or dies."""
+    opening must be finished so that the driver can close it as KILLED. :meth:`cancel`
+    kills it before a request; it exits by itself when its stdin closes without a
+    request or the driver dies."""
 
     def __init__(self, uri: str):
         root = str(Path(__file__).resolve().parents[2])
@@ -103,13 +104,20 @@ class RunOpener:
             self._p.wait()
 
     def cancel(self) -> None:
-        """No run is wanted (an input check failed): the helper exits without opening."""
+        """No run is wanted (an input check failed): the helper stops without opening.
+
+        Before a request the helper has only imported (no store opened, no file
+        written), so it is killed at once: waiting for its MLflow import to finish would
+        hold up the exit-2 of a config typo by the seconds that import takes. After
+        :meth:`open` it is waited for as before (it may be opening the run)."""
         if not self._sent:
             try:
                 self._p.stdin.close()
             except OSError:
                 pass
             self._sent = True
+            if self._p.poll() is None:
+                self._p.kill()
         self._wait(10)
         self._p.stdout.close()
 
