@@ -235,13 +235,24 @@ def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int |
     ids of the quorum that committed it (all participants' shares); an attempt whose
     quorum did not commit (a replica died in it) is redone and not counted.
 
-    Returns the same shape as :func:`audit` (``attempts``: one row per replica process),
-    plus ``uncommitted_attempts`` and ``problems`` (a step committed by two quorums).
+    A step committed again by a later quorum is recomputed, not repeated, when a replica
+    of that later quorum started between the two commits from a durable checkpoint before
+    that step (every replica holding the live state was gone, as in ``restart`` mode): the
+    later commit counts, like the next attempt's in :func:`audit`. Two commits of a step
+    without such a restart between them are a problem.
+
+    Returns the same shape as :func:`audit` (``attempts``: one row per replica process,
+    ``recomputed_steps``: its commits a later restart recomputed), plus
+    ``uncommitted_attempts``, ``recomputed_steps`` (the steps committed again after a
+    restart from a durable checkpoint) and ``problems`` (a step committed by two quorums
+    with no such restart between them).
     """
     files = sorted(Path(ledger_dir).glob("attempt-*-rank*.jsonl"))
     shares: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     epoch_of: dict[int, int] = {}
     commits: dict[int, set[int]] = defaultdict(set)
+    commit_t: dict[tuple[int, int], float] = {}  # (step, quorum) -> first commit time
+    committed_by: dict[tuple[int, int], list[int]] = defaultdict(list)  # -> attempt rows
     out_attempts = []
     for f in files:
         lines = f.read_text().splitlines()
@@ -249,7 +260,11 @@ def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int |
         n_commit = 0
         for rec in _records(lines[1:]):
             if "commit" in rec:
-                commits[int(rec["commit"])].add(int(rec["quorum"]))
+                key = (int(rec["commit"]), int(rec["quorum"]))
+                commits[key[0]].add(key[1])
+                t = float(rec.get("t", 0.0))
+                commit_t[key] = min(commit_t.get(key, t), t)
+                committed_by[key].append(len(out_attempts))
                 n_commit += 1
             else:
                 shares[(int(rec["step"]), int(rec["quorum"]))].append(np.asarray(rec["ids"], np.int64))
@@ -263,10 +278,20 @@ def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int |
     used: dict[int, Counter] = defaultdict(Counter)
     steps_per_epoch: dict[int, int] = defaultdict(int)
     problems = []
+    recomputed = 0
     for step, quorums in sorted(commits.items()):
-        if len(quorums) > 1:
-            problems.append(f"step {step} committed by quorums {sorted(quorums)}")
-        q = min(quorums)
+        order = sorted(quorums, key=lambda q: commit_t[(step, q)])
+        for early, late in zip(order, order[1:]):
+            lo, hi = commit_t[(step, early)], commit_t[(step, late)]
+            if any(lo < out_attempts[i]["t"] <= hi and out_attempts[i]["resumed_from"] < step
+                   for i in committed_by[(step, late)]):
+                recomputed += 1
+                for i in committed_by[(step, early)]:
+                    out_attempts[i]["recomputed_steps"] += 1
+            else:
+                problems.append(f"step {step} committed by quorums {sorted(quorums)}")
+                break
+        q = order[-1]
         ep = epoch_of.get(step, -1)
         steps_per_epoch[ep] += 1
         for ids in shares.get((step, q), []):
@@ -283,7 +308,7 @@ def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int |
     ok = not problems and all(e["repeated"] == 0 and e["lost"] == 0 and e["unknown"] == 0
                               for e in out_epochs.values())
     return {"attempts": out_attempts, "epochs": out_epochs, "ok": ok, "problems": problems,
-            "uncommitted_attempts": uncommitted,
+            "uncommitted_attempts": uncommitted, "recomputed_steps": recomputed,
             "world_sizes": [a["world_size"] for a in out_attempts]}
 
 

@@ -69,3 +69,52 @@ def test_the_audit_counts_skipped_samples_as_skipped_and_checks_every_rank_agree
                                {"epoch": 0, "step": 2, "ids": [5]}])
     bad = audit(tmp_path, range(6), 1)
     assert not bad["ok"] and not bad["attempts"][0]["skips_agree"]
+
+
+def test_a_per_step_job_restarted_from_its_durable_checkpoint_recomputes_not_repeats(tmp_path):
+    """Per-step ledgers (``LedgerWriter`` files): replicas 0 and 1 commit steps 1-3 in
+    quorum 1, replica 1 dies, replica 0 commits 4-5 alone (quorum 2) and dies too; a
+    replacement starts from the durable checkpoint at step 3 and commits 4-6 (quorum 3):
+    steps 4 and 5 were recomputed, and every id counts once, from the later commits. The
+    same second commit without that restart between is a problem."""
+    import time
+
+    import numpy as np
+
+    from elastic_ddp.ledger import LedgerWriter
+
+    def steps(w, rng, quorum, n):
+        for s in rng:
+            w.record(0, s, np.arange(2 * (s - 1), 2 * s) if n == 1 or w is not b
+                     else np.array([], np.int64), quorum=quorum, n=n)
+            w.commit(0, s, quorum=quorum, n=n)
+            time.sleep(0.005)
+
+    a = LedgerWriter(str(tmp_path), 0, 0, 2, mode="per_step")
+    b = LedgerWriter(str(tmp_path), 1, 0, 2, mode="per_step")
+    steps(a, range(1, 4), 1, 2)
+    steps(b, range(1, 4), 1, 2)  # b's shares are empty: a holds every id
+    b.close()
+    steps(a, range(4, 6), 2, 1)
+    a.close()
+    time.sleep(0.02)
+    c = LedgerWriter(str(tmp_path), 0, 3, 2, mode="per_step")
+    steps(c, range(4, 7), 3, 1)
+    c.close()
+    r = audit(tmp_path, range(12), 1)
+    assert r["ok"] and r["problems"] == [], (r["problems"], format_audit(r))
+    assert r["recomputed_steps"] == 2 and r["epochs"][0]["steps"] == 6, r["recomputed_steps"]
+    assert (r["epochs"][0]["repeated"], r["epochs"][0]["lost"]) == (0, 0)
+    assert [x["recomputed_steps"] for x in r["attempts"]] == [2, 0, 0], r["attempts"]
+
+    # A quorum that commits step 6 again with no restart of its own between: a problem,
+    # even with another replica started in between from an earlier checkpoint (it took
+    # no part in that commit).
+    LedgerWriter(str(tmp_path), 1, 5, 2, mode="per_step").close()
+    files = sorted(tmp_path.glob("attempt-*-rank*.jsonl"))
+    c_file = next(f for f in files if json.loads(f.read_text().splitlines()[0])["resumed_from"] == 3)
+    with open(c_file, "a") as f:  # c commits step 6 a second time, in quorum 4
+        f.write(json.dumps({"epoch": 0, "step": 6, "ids": [10, 11], "quorum": 4, "n": 1}) + "\n")
+        f.write(json.dumps({"commit": 6, "epoch": 0, "t": time.time(), "quorum": 4, "n": 1}) + "\n")
+    bad = audit(tmp_path, range(12), 1)
+    assert not bad["ok"] and bad["problems"] == ["step 6 committed by quorums [3, 4]"], bad["problems"]

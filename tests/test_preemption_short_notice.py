@@ -98,6 +98,7 @@ def test_a_rank_killed_after_its_notice_is_a_preemption_that_fell_back(tmp_path,
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     from conftest import InProcess
+    from elastic_ddp.compat.ray_train import count_notices_as_preemptions
     from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
     from elastic_ddp.tracking import JobTracker
 
@@ -107,7 +108,10 @@ def test_a_rank_killed_after_its_notice_is_a_preemption_that_fell_back(tmp_path,
     events.workers = {0: {"node_id": "b" * 56, "node_ip": "10.0.0.1", "pid": 11},
                       1: {"node_id": NODE, "node_ip": "10.0.0.2", "pid": pid}}
     ctrl = ControllerEvents(events)
-    ctrl.after_controller_start(None)  # installs the preemption rule, as in the controller
+    # The preemption rule ControllerEvents.after_controller_start installs (not the call
+    # itself: its other patches are process-wide, and tests/test_events.py checks Ray's
+    # behaviour without them).
+    count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None, events.died_after_notice)
     events.after_report(None, [{"step": 10}] * 2, None)
     errors = {1: ActorDiedError(),   # the killed rank; its peer's collateral error
               0: UserExceptionWithTraceback(RuntimeError("Connection closed by peer"), "tb")}
