@@ -5,10 +5,10 @@ replica leaves its quorum after one more step) against SIGKILL (a crash), the sa
     .venv/bin/python experiments/bench_leave.py --step-s 0.15 --repeats 2
 
 The job: ``experiments/configs/digits_cnn.yaml`` in ``per_step`` mode, 2 replicas (a step
-commits with 1), 2 epochs of 23 steps, each step at least ``--step-s`` seconds (a sleep:
+commits with 1), ``--epochs`` epochs of 23 steps, each step at least ``--step-s`` seconds (a sleep:
 the arithmetic is that of the digits CNN). Ray: a head node (1 CPU) and three 2-CPU worker
-nodes (``ray.cluster_utils.Cluster``), one worker per node. Once step 5 is committed the
-highest-pid worker gets the signal.
+nodes (``ray.cluster_utils.Cluster``), one worker per node. Once both replicas committed 5
+steps together the highest-pid worker gets the signal.
 
 Printed per run, from the sample ledger (per-step commit lines of every replica process):
 
@@ -16,7 +16,8 @@ Printed per run, from the sample ledger (per-step commit lines of every replica 
     committed to its next commit (one step, the lighthouse's wait, the quorum's
     reconfiguration and the reader switching to the lost replica's partitions);
   * longest gap alone: the survivor's longest gap between two commits from the signal to
-    the replacement's first commit (the replacement's heal included);
+    the replacement's first commit (the replacement's heal included; not the first step
+    of an epoch, which opens the epoch's windows after the evaluation);
   * redone: replica shares computed in a quorum that did not commit (the audit's
     ``uncommitted_attempts``); the event: its type, and ``steps_recomputed``.
 """
@@ -48,12 +49,18 @@ def _workers() -> list[int]:
 def _commits(ledger: Path) -> list[tuple[dict, list[dict]]]:
     out = []
     for f in sorted(ledger.glob("attempt-*.jsonl")):
-        recs = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
-        out.append((recs[0], [r for r in recs[1:] if "commit" in r]))
+        recs = []
+        for ln in f.read_text().splitlines():
+            try:
+                recs.append(json.loads(ln))
+            except ValueError:
+                pass  # a line being written
+        if recs:
+            out.append((recs[0], [r for r in recs[1:] if "commit" in r]))
     return out
 
 
-def run(tmp: Path, sig: int, step_s: float) -> dict:
+def run(tmp: Path, sig: int, step_s: float, epochs: int) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.driver.launcher import train
@@ -62,7 +69,7 @@ def run(tmp: Path, sig: int, step_s: float) -> dict:
 
     name = f"leave-{signal.Signals(sig).name.lower()}"
     cfg = Config.load(ROOT / CONFIG, [
-        "train.epochs=2", "train.checkpoint_every_steps=1000", "train.log_every_steps=2",
+        f"train.epochs={epochs}", "train.checkpoint_every_steps=1000", "train.log_every_steps=2",
         "model.kwargs.hidden=32", "batch.policy=uneven", "scaling.fault_tolerance=per_step",
         "scaling.min_workers=1", "scaling.max_workers=2", "scaling.cpus_per_worker=2",
         "scaling.torch_threads=1", "scaling.max_failures=1", "scaling.health_check_interval_s=0.2",
@@ -82,10 +89,11 @@ def run(tmp: Path, sig: int, step_s: float) -> dict:
     th = threading.Thread(target=job, daemon=True)
     th.start()
 
-    def committed() -> int:
-        return max((c["commit"] for _, cs in _commits(ledger) for c in cs), default=0) if ledger.is_dir() else 0
+    def together() -> bool:  # both replicas committed 5 steps in one quorum
+        files = _commits(ledger) if ledger.is_dir() else []
+        return sum(1 for _, cs in files if sum(1 for c in cs if c["n"] == 2) >= 5) >= 2
 
-    while th.is_alive() and committed() < 5:
+    while th.is_alive() and not together():
         time.sleep(0.05)
     pid = _workers()[-1]
     t_sig = time.time()
@@ -104,9 +112,12 @@ def run(tmp: Path, sig: int, step_s: float) -> dict:
     last = lost[-1]["commit"]
     before = max(c["t"] for c in survivor if c["commit"] <= last)
     after = min(c["t"] for c in survivor if c["commit"] > last)
-    ts = [c["t"] for c in survivor]
-    alone = max((b - a for a, b in zip(ts, ts[1:]) if b > t_sig and a < joined), default=float("nan"))
-    rep = audit(ledger, read_sample_ids(ROOT / "data/digits/train"), 2)
+    per_epoch = s.steps // epochs
+    # Not the first step of an epoch: its reader opens the epoch's windows, and the
+    # evaluation and checkpoint of the epoch before come first.
+    alone = max((b["t"] - a["t"] for a, b in zip(survivor, survivor[1:])
+                 if b["t"] > t_sig and a["t"] < joined and b["commit"] % per_epoch != 1), default=float("nan"))
+    rep = audit(ledger, read_sample_ids(ROOT / "data/digits/train"), epochs)
     ev = next((e for e in s.events if e["type"] in ("preemption", "failure")), {})
     return {"signal": signal.Signals(sig).name, "gap_at_loss_s": round(after - before, 3),
             "longest_gap_alone_s": round(alone, 3), "redone_shares": rep["uncommitted_attempts"],
@@ -118,6 +129,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--step-s", type=float, default=0.15, help="seconds a step takes at least")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=6, help="23 steps each")
     ap.add_argument("--signals", default="SIGTERM,SIGKILL")
     ap.add_argument("--keep", help="a directory to keep each run's ledger, store and checkpoints in")
     args = ap.parse_args()
@@ -138,16 +150,16 @@ def main() -> int:
                 if args.keep:
                     tmp = Path(args.keep) / f"{name}-{len(rows)}"
                     tmp.mkdir(parents=True)
-                    r = run(tmp, getattr(signal, name), args.step_s)
+                    r = run(tmp, getattr(signal, name), args.step_s, args.epochs)
                 else:
                     with tempfile.TemporaryDirectory(prefix="bench-leave-") as tmp:
-                        r = run(Path(tmp), getattr(signal, name), args.step_s)
+                        r = run(Path(tmp), getattr(signal, name), args.step_s, args.epochs)
             finally:
                 ray.shutdown()
                 c.shutdown()
             rows.append(r)
             print(json.dumps(r), flush=True)
-    print(f"\nper_step digits, 2 replicas, steps >= {args.step_s} s, one worker signalled after step 5, "
+    print(f"\nper_step digits, 2 replicas, steps >= {args.step_s} s, one worker signalled once both committed 5 steps together, "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'signal':>8} {'gap at loss s (median/max)':>27} {'longest alone s':>16} {'redone':>7}  event")
     for name in args.signals.split(","):

@@ -301,7 +301,7 @@ REPLICA = textwrap.dedent("""
     from elastic_ddp.worker.notice import ReplicaLeave, install_sigterm_handler
 
     rank, lighthouse, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    steps, step_s = int(sys.argv[4]), float(sys.argv[5])
+    steps, step_s, stop = int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHFT_LIGHTHOUSE=lighthouse)
@@ -312,7 +312,7 @@ REPLICA = textwrap.dedent("""
     leave = ReplicaLeave(rank, 2, install=False, log=lambda line: None)
     out = open(log, "w")
     last = 0                             # the last step this replica committed
-    while last < steps:
+    while last < steps and not os.path.exists(stop):   # the test ends it through the file
         try:
             participant, n = group.begin(leave, last)     # as PerStepFaultTolerance.begin_step
         except Preempted as e:
@@ -335,7 +335,7 @@ REPLICA = textwrap.dedent("""
 STEP_S = 0.2
 
 
-def _replicas(tmp_path, steps: int):
+def _replicas(tmp_path, steps: int = 100_000):
     from torchft.coordination import LighthouseServer
 
     from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
@@ -346,8 +346,8 @@ def _replicas(tmp_path, steps: int):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RUST_LOG": "warn"}
     logs = [tmp_path / f"replica{r}.jsonl" for r in (0, 1)]
     procs = [subprocess.Popen([sys.executable, str(script), str(r), lighthouse.address(), str(logs[r]),
-                               str(steps), str(STEP_S)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                               str(steps), str(STEP_S), str(tmp_path / "stop")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
     return lighthouse, procs, logs
 
@@ -376,19 +376,22 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
     committed steps."""
     from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
 
-    lighthouse, procs, logs = _replicas(tmp_path, steps=30)
-    try:
-        def together() -> bool:
-            return all(sum(1 for r in _lines(f) if r.get("n") == 2 and r.get("ok")) >= 6 for f in logs) \
-                or any(p.poll() is not None for p in procs)
+    lighthouse, procs, logs = _replicas(tmp_path)
 
-        deadline = time.time() + 120
-        while not together() and time.time() < deadline:
+    def wait(pred, timeout: float) -> None:
+        end = time.time() + timeout
+        while not pred() and time.time() < end and procs[0].poll() is None:
             time.sleep(0.05)
+
+    try:
+        # Both replicas trained 6 steps in one quorum (a slow start: one heals from the other).
+        wait(lambda: all(sum(1 for r in _lines(f) if r.get("n") == 2 and r.get("ok")) >= 6 for f in logs), 240)
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
         t_signal = time.time()
         os.kill(procs[1].pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         procs[1].wait(timeout=60)
+        wait(lambda: sum(1 for r in _lines(logs[0]) if r["t"] > t_signal and r["n"] == 1 and r["ok"]) >= 5, 60)
+        (tmp_path / "stop").touch()
         out0, err0 = procs[0].communicate(timeout=120)
         assert procs[0].returncode == 0, err0[-3000:]
     finally:
@@ -420,6 +423,7 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
     assert redone == [], redone
     steps = [r["step"] for r in survivor]
     assert steps == list(range(steps[0], steps[0] + len(steps))), steps
-    # The wait: the rest of the leaver's heartbeat timeout after one step (no collective
-    # timeout, no failed step).
-    assert gap < STEP_S + LIGHTHOUSE["heartbeat_timeout_ms"] / 1000 + 0.5, gap
+    # The wait: the rest of the leaver's heartbeat timeout after one step, and the smaller
+    # quorum's reconfiguration (measured 0.5-0.65 s on a loaded machine); not the 20 s
+    # collective timeout, not a failed step. The margin is for a machine under heavy load.
+    assert gap < STEP_S + LIGHTHOUSE["heartbeat_timeout_ms"] / 1000 + 1.5, gap
