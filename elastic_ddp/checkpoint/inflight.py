@@ -7,7 +7,17 @@ process group of their own (background collectives on the training group could
 interleave with the step's). The checkpoint counts (Ray Train report: goodput, the
 restart point, the ledger's committed steps) only once every rank's write is done and
 the manifest is written: a kill before that leaves the previous checkpoint the newest
-complete one. Costs: one host copy of this rank's share of the state while in flight.
+complete one.
+
+Staging goes through one ``DefaultStager`` kept for the process (``_stager``): its staging
+buffers, one per tensor storage of the state, are allocated at the first asynchronous
+save and copied into at every later one (torchtitan keeps its stager the same way).
+Costs: one host copy of this rank's share of the state, held from the first asynchronous
+save on (a buffer is freed when the tensor it copies is). Why not the storage writer's
+own staging (``FileSystemWriter.stage``, what ``async_save`` uses when given a writer
+and no stager): for a DTensor (FSDP's parameters and optimizer state) it deep-copies the
+whole tensor before swapping in an empty local tensor to copy into, so every FSDP tensor
+is copied twice and its buffers allocated afresh at each save.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ import torch
 import torch.distributed as dist
 
 _GROUP = None
+_STAGER = None
+#: The write in flight (``Pending``) whose staged copy lives in ``_STAGER``'s buffers.
+_IN_FLIGHT = None
 
 
 def _gloo_group():
@@ -28,6 +41,22 @@ def _gloo_group():
     if _GROUP is None:
         _GROUP = dist.new_group(backend="gloo")
     return _GROUP
+
+
+def _stager(device: torch.device):
+    """The process's stager (``torch.distributed.checkpoint.staging.DefaultStager``),
+    made at the first asynchronous save. Synchronous staging (the step loop must not
+    change the state before it is copied); on CUDA into pinned memory with non-blocking
+    copies (one synchronize at the end), on the CPU into plain host memory."""
+    global _STAGER
+    if _STAGER is None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = device.type == "cuda"
+        _STAGER = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=cuda))
+    return _STAGER
 
 
 class Pending:
@@ -66,9 +95,15 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
     group = _gloo_group()
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
+    global _IN_FLIGHT
+    if _IN_FLIGHT is not None:
+        # The staging buffers are shared: a write still reading them (another manager's
+        # in this process) must end before they are overwritten.
+        _IN_FLIGHT.join()
     p = Pending(fs, dest, name, step, metrics, device)
     p.report = report
-    future = async_save(state, storage_writer=FileSystemWriter(dest), process_group=group)
+    future = async_save(state, storage_writer=FileSystemWriter(dest), process_group=group,
+                        async_stager=_stager(device))
     lead = manager.rank == 0
 
     def finish() -> None:
@@ -81,4 +116,5 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
 
     p.thread = threading.Thread(target=finish, name=f"checkpoint-{step}", daemon=True)
     p.thread.start()
+    _IN_FLIGHT = p
     return p
