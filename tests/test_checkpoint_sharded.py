@@ -83,6 +83,8 @@ def _job(rank, ws, job, out):
         first = run_state["progress"]["step"]
     if job.get("async_kill"):
         _async_then_kill(mgr, strategy, cfg, task, rank, ws, out)
+    if job.get("async_twice"):
+        _async_twice(mgr, strategy, cfg, task, rank, ws, out)
     losses = _steps(strategy, cfg, task, first, job["steps"], rank, ws)
     if job.get("save"):
         mgr.save(first + job["steps"], strategy, {"progress": {"step": first + job["steps"]}},
@@ -126,6 +128,39 @@ def _async_then_kill(mgr, strategy, cfg, task, rank, ws, out):
              fault_hook=die if rank == 0 else None)
     mgr.wait()
     raise AssertionError("rank 0 should have died inside the background write")
+
+
+def _async_twice(mgr, strategy, cfg, task, rank, ws, out):
+    """Asynchronous checkpoints at steps 3 and 6, a step training during each write (the
+    process's stager copies into the same buffers both times); rank 0 writes
+    ``twice.json``: per checkpoint, the largest difference between its model entries and
+    the full model of its step, and between the two checkpoints' models."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from elastic_ddp.checkpoint.dcp_io import load_prefix
+
+    def full() -> dict:
+        sd = get_model_state_dict(strategy.module, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().clone() for k, v in sd.items()}
+
+    expected, first = {}, 0
+    for at in (3, 6):
+        _steps(strategy, cfg, task, first, at - first, rank, ws)
+        expected[at] = full()
+        mgr.save(at, strategy, {"progress": {"step": at}}, report=False, asynchronous=True)
+        _steps(strategy, cfg, task, at, 1, rank, ws)  # changes the state while the write runs
+        mgr.wait()
+        first = at + 1
+    dist.barrier()
+    if rank == 0:
+        got = {at: load_prefix(str(Path(out) / RUN / checkpoint_name(at)), "model.")
+               for at in (3, 6)}
+        diff = {str(at): max((got[at][k] - v).abs().max().item() for k, v in expected[at].items())
+                for at in (3, 6)}
+        assert set(got[3]) == set(expected[3]), sorted(set(got[3]) ^ set(expected[3]))
+        apart = max((got[6][k] - got[3][k]).abs().max().item() for k in got[3])
+        Path(out, "twice.json").write_text(json.dumps({"diff": diff, "apart": apart}))
+    dist.barrier()
 
 
 def _run_jobs(ws: int, jobs: list[tuple[dict, Path]]) -> list[torch.Tensor]:
@@ -201,6 +236,19 @@ def test_a_kill_during_an_asynchronous_write_leaves_the_previous_checkpoint(refe
     rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
     assert rel <= 1e-4, f"resumed from the asynchronous checkpoint: drifts by {rel:.2e}"
     assert not torn.exists(), "the torn checkpoint should be removed at the restore"
+
+
+def test_each_asynchronous_checkpoint_holds_its_own_steps_state(tmp_path):
+    """The staging buffers are reused from one asynchronous checkpoint to the next (one
+    stager per process): each checkpoint must still hold the state of its own step, not
+    the previous one's and not one changed by the step that trains during its write."""
+    jobs = [({"strategy": st, "steps": 0, "async_twice": True, "result": "x.pt"}, tmp_path / st)
+            for st in ("fsdp", "ddp")]
+    _run_jobs(2, jobs)
+    for job, out in jobs:
+        got = json.loads((out / "twice.json").read_text())
+        assert got["diff"] == {"3": 0.0, "6": 0.0}, (job["strategy"], got)
+        assert got["apart"] > 0, f"{job['strategy']}: checkpoints 3 and 6 hold the same model"
 
 
 def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):
