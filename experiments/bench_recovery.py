@@ -26,6 +26,12 @@ Printed per mode:
   * goodput: seconds in committed training steps / wall seconds (elastic-ddp's own figure;
     torchrun: the steps a later checkpoint covered, from its step log).
   * samples: the ledger audit (elastic-ddp), lost / repeated over the committed steps.
+  * restart phases (restart mode): each restart's kill->1st step split at the
+    controller's timeline marks and rank 0's start marks (MLflow artifacts
+    ``events/timeline.json``, ``events/attempts.json``), median over the restarts, in
+    :data:`RESTART_PHASES` order. ``proc_start`` is the new worker's process creation:
+    a process the worker pool started before the group start gives a negative
+    ``actor_process_s``.
 """
 
 from __future__ import annotations
@@ -110,6 +116,58 @@ def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, rest
             "checkpoints": len(ckpts)}
 
 
+#: (phase, the mark that ends it), in time order: kill -> ``first_step`` of the attempt after.
+RESTART_PHASES = (
+    ("detect_teardown_s", "worker_group_starting"),  # failure seen, old group stopped
+    ("actor_process_s", "proc_start"),               # placement group, worker process created
+    ("worker_boot_s", "pg_start"),                   # Ray worker + RayTrainWorker up, master address
+    ("torch_import_s", "pg_imported"),               # first torch import in the process
+    ("pg_init_s", "pg_ready"),                       # init_process_group (gloo, TCP store)
+    ("group_callbacks_s", "worker_group_started"),   # after_worker_group_start callbacks
+    ("train_fn_launch_s", "enter"),
+    ("train_fn_imports_s", "imported"),
+    ("job_unpickle_s", "job_loaded"),
+    ("trainer_build_s", "built"),                    # model, data readers, optimizer
+    ("restore_s", "restored"),                       # checkpoint read + verified
+    ("to_ready_s", "ready"),
+    ("first_step_s", "first_step"),                  # data pipeline's first batch + the step
+)
+
+
+def restart_phases(uri: str, run_id: str, kills: list) -> dict:
+    """Median seconds of each :data:`RESTART_PHASES` phase over the restarts after ``kills``
+    (from the run's MLflow artifacts); a phase whose mark is missing is left out and its
+    time counts in the next one. {} when the artifacts are missing."""
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-art-") as d:
+        try:
+            attempts = json.loads(Path(client.download_artifacts(run_id, "events/attempts.json", d)).read_text())
+            timeline = json.loads(Path(client.download_artifacts(run_id, "events/timeline.json", d)).read_text())
+        except Exception as e:  # noqa: BLE001 - figures only
+            print(f"restart phases: artifacts not readable ({e})", flush=True)
+            return {}
+    starting = sorted(m["t"] for m in timeline if m["what"] == "worker_group_starting")
+    started = sorted(m["t"] for m in timeline if m["what"] == "worker_group_started")
+    per: dict[str, list] = {name: [] for name, _ in RESTART_PHASES}
+    for k in kills:
+        nxt = sorted((a for a in attempts if a.get("first_step", 0) > k["t"] and "enter" in a),
+                     key=lambda a: a["first_step"])
+        if not nxt or nxt[0]["enter"] < k["t"]:
+            continue
+        a = dict(nxt[0])
+        a["worker_group_starting"] = max((t for t in starting if k["t"] <= t <= a["enter"]), default=None)
+        a["worker_group_started"] = max((t for t in started if k["t"] <= t <= a["enter"]), default=None)
+        prev = k["t"]
+        for name, mark in RESTART_PHASES:
+            if a.get(mark) is None:
+                continue
+            per[name].append(a[mark] - prev)
+            prev = a[mark]
+    return {name: round(statistics.median(v), 2) for name, v in per.items() if v}
+
+
 def _longest_gap(ts: list[float]) -> float:
     return max((b - a for a, b in zip(ts, ts[1:])), default=float("nan"))
 
@@ -180,6 +238,7 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
             **({"longest_gap_any_s": max(any_gaps), "uncommitted_shares": rep["uncommitted_attempts"]}
                if mode == "per_step" else {}),
             "startup": s.startup,
+            **({"restart_phases": restart_phases(s.tracking_uri, s.run_id, kills)} if mode == "restart" else {}),
             "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
 
@@ -221,6 +280,10 @@ def main() -> int:
         ks = f"{statistics.median(k):.1f} / {max(k):.1f}" if k else "-"
         print(f"{mode:>9} {r['cmd_to_first_step_s']:>10.1f} {r['kills']:>5} {ks:>24} "
               f"{r['longest_gap_s']:>13.1f} {r['goodput']:>8.1%}  {r['samples']}")
+    for mode, r in rows.items():
+        if r.get("restart_phases"):
+            print(f"{mode} restart phases (median s): "
+                  + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in r["restart_phases"].items()))
     if "torchrun" in rows and "restart" in rows:
         t, e = rows["torchrun"], rows["restart"]
         tk = statistics.median([v for v in t["kill_to_first_step_s"] if v == v] or [float("nan")])

@@ -115,11 +115,25 @@ def _set_rank_env() -> None:
     _set_torch_distributed_env_vars()
 
 
+#: This worker process's process-group set-up times (seconds since the epoch):
+#: ``pg_start`` (the call arrived), ``pg_imported`` (torch and Ray's torch config
+#: imported: the first torch import of a fresh worker process), ``pg_ready``
+#: (``init_process_group`` returned, every rank joined the TCP store). The train function,
+#: run later in the same process, reports them with the attempt's start marks.
+PG_MARKS: Dict[str, float] = {}
+
+
 def _init_process_group(backend: str, world_rank: int, world_size: int, timeout_s: int) -> None:
+    import time
+
+    PG_MARKS.clear()
+    PG_MARKS["pg_start"] = time.time()
     from ray.train.torch.config import _setup_torch_process_group
 
+    PG_MARKS["pg_imported"] = time.time()
     _setup_torch_process_group(backend=backend, world_rank=world_rank, world_size=world_size,
                                init_method="env://", timeout_s=timeout_s)
+    PG_MARKS["pg_ready"] = time.time()
 
 
 def _shutdown(destroy_process_group: bool) -> None:

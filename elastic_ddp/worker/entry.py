@@ -31,6 +31,27 @@ def load_job(loop_config: dict) -> JobSpec:
     return job
 
 
+def start_marks() -> dict:
+    """This worker process's marks before the train function (seconds since the epoch):
+    ``proc_start`` (the process was created: a fresh Ray worker process, or one the worker
+    pool had started earlier) and the process-group set-up's
+    (``compat.ray_backend.PG_MARKS``; absent under Ray's own ``TorchConfig``)."""
+    marks: dict = {}
+    try:
+        import psutil  # a Ray dependency
+
+        marks["proc_start"] = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - bookkeeping only
+        pass
+    try:
+        from elastic_ddp.compat.ray_backend import PG_MARKS
+
+        marks.update(PG_MARKS)
+    except Exception:  # noqa: BLE001 - bookkeeping only
+        pass
+    return marks
+
+
 def train_func(loop_config: dict) -> None:
     """Build this rank's :class:`~elastic_ddp.worker.trainer.Trainer`, restore the newest
     checkpoint Ray Train hands over, train to the end."""
@@ -43,7 +64,10 @@ def train_func(loop_config: dict) -> None:
     from elastic_ddp.positions import located
     from elastic_ddp.worker.trainer import Trainer
 
+    marks = start_marks()
+    marks["imported"] = time.time()
     job = load_job(loop_config)
+    marks["job_loaded"] = time.time()
     ctx = ray.train.get_context()
     scaling = job.config.scaling
     torch.set_num_threads(scaling.torch_threads or max(1, int(scaling.cpus_per_worker)))
@@ -51,7 +75,10 @@ def train_func(loop_config: dict) -> None:
     try:
         trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
         trainer._t_enter = t_enter
+        marks["built"] = time.time()
         trainer.restore(ray.train.get_checkpoint())
+        marks["restored"] = time.time()
+        trainer._start_marks = marks
         trainer.fit()
         trainer.finish()
     except Preempted:

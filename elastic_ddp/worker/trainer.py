@@ -194,7 +194,7 @@ class Trainer:
         starts = self.roles.records_start
         if starts:
             self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
-                                 resumed_from=p.step, checkpoint=self.restored_path)
+                                 resumed_from=p.step, checkpoint=self.restored_path, **self._start_marks)
             import torch.distributed as dist
 
             self.tracker.set_tags({"elastic_ddp.world_size": self.world_size,
@@ -387,6 +387,7 @@ class Trainer:
             sys.stdout.flush()
 
     _t_enter = 0.0
+    _start_marks: dict = {}  # worker.entry.train_func's finer start marks (seconds since the epoch)
 
 
 def _ray_node_id() -> Optional[str]:
