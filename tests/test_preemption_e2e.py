@@ -429,3 +429,48 @@ def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resume
     got, ref = model_state(ckpts[-1]), model_state(baseline.checkpoint_path)
     for k in ref:
         assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+
+
+def test_per_step_a_fault_after_a_replacement_names_the_replacement(cluster, data, tmp_path):
+    """Per-step mode, two faults in a row: one worker gets SIGTERM (its replica leaves and
+    Ray replaces it alone, no worker-group restart), then the replacement is SIGKILLed.
+    The second fault's event names the replacement (its pid and node), not the worker it
+    replaced: the controller's worker list follows a replica replaced alone."""
+    ledger = tmp_path / "ledger"
+    raw = _deep_update(_raw(data, tmp_path, "ps-twice"), PER_STEP)
+    cfg = __import__("elastic_ddp.config", fromlist=["Config"]).Config.from_dict(
+        _deep_update(raw, {"train": {"epochs": 4}, "scaling": {"max_failures": 3}}))
+    slow = {**SLOW, "step_s": 0.5}
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=slow),
+                                          progress=False))
+    wait_until(lambda: not th.is_alive() or _together(ledger), 300)
+    assert th.is_alive(), result
+    first = {w["pid"]: w["node_id"] for w in _workers()}
+    pid = sorted(first)[-1]
+    os.kill(pid, signal.SIGTERM)
+    t_term = time.time()
+
+    def replacement_trains():
+        # The replacement's ledger file has 3 steps committed by both replicas.
+        return any(h["t"] > t_term and sum(1 for r in recs if "commit" in r and r["n"] == 2) >= 3
+                   for h, recs in _ledger_files(ledger))
+
+    wait_until(lambda: not th.is_alive() or replacement_trains(), 300)
+    assert th.is_alive(), result
+    (new_pid, new_node), = [(p, n) for p, n in ((w["pid"], w["node_id"]) for w in _workers()) if p not in first]
+    os.kill(new_pid, signal.SIGKILL)
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    s = result["summary"]
+    print(json.dumps(s.events, indent=1, default=str))
+    (pre,) = [e for e in s.events if e["type"] == "preemption"]
+    assert pre["node_ids"] == [first[pid]], pre
+    (fail,) = [e for e in s.events if e["type"] == "failure"]
+    assert fail.get("pid") == new_pid, fail
+    assert fail.get("cause_kind") == "died" and fail.get("signal") == "SIGKILL", fail
+    assert fail.get("cause_rank") == pre["noticed_ranks"][0], (fail, pre)
+    report = audit(ledger, train_ids(data), 4)
+    print(format_audit(report))
+    assert report["ok"] and not report["problems"], report["problems"]
