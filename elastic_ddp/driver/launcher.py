@@ -306,16 +306,16 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         opener.cancel()  # no run is opened for a job that fails its checks
         _kill(host, tracker)
         raise
-    if lease.describe_takeover():
-        print(lease.describe_takeover(), flush=True)
-    marks["scanned"] = time.time()
-    storage = _storage_path(cfg)
-    opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
-                train_info=train_info, val_info=val_info, skipped=skipped)
-    # A local ray.init mostly waits for its GCS and raylet processes to come up; Ray
-    # Train's import runs beside it.
-    side = Background(_import_ray_train, name="import-ray-train")
     try:
+        if lease.describe_takeover():
+            print(lease.describe_takeover(), flush=True)
+        marks["scanned"] = time.time()
+        storage = _storage_path(cfg)
+        opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
+                    train_info=train_info, val_info=val_info, skipped=skipped)
+        # A local ray.init mostly waits for its GCS and raylet processes to come up; Ray
+        # Train's import runs beside it.
+        side = Background(_import_ray_train, name="import-ray-train")
         if tracker is None:
             host, tracker = _connect_and_start(cfg, uri)
             marks["ray_ready"] = time.time()
@@ -328,7 +328,8 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
             try:
                 run_id = opener.result()["run_id"]
-            except BaseException:  # noqa: BLE001 - the open failed too: no run is left open
+            except BaseException:  # noqa: BLE001 - the open failed too (or was never sent): no run is left open
+                opener.cancel()
                 raise e from None
             killed = not isinstance(e, Exception) or isinstance(e, StoppedBeforeTraining)
             _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
