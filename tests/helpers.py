@@ -292,3 +292,32 @@ def wait_until(pred, timeout: float) -> None:
         if time.time() > end:
             raise TimeoutError(f"condition not met in {timeout}s")
         time.sleep(0.1)
+
+
+def ledger_files(ledger) -> list:
+    """The sample ledger's attempt files under ``ledger`` (a directory), read as they are
+    being written: ``[(header record, [the later records]), ...]``, a partly written last
+    line left out."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for f in sorted(Path(ledger).glob("attempt-*.jsonl")):
+        recs = []
+        for ln in f.read_text().splitlines():
+            try:
+                recs.append(json.loads(ln))
+            except ValueError:
+                pass  # a line being written
+        if recs:
+            out.append((recs[0], recs[1:]))
+    return out
+
+
+def replicas_together(ledger, k: int = 5, quorum: int = 2, files: int = 2, since: float = 0.0) -> bool:
+    """Per-step mode: ``files`` replica processes whose ledger files started after
+    ``since`` (seconds since the epoch) have each committed ``k`` steps in a quorum of
+    ``quorum`` replicas (a signal then reaches a replica that trains, not one still
+    starting). ``files=1, since=t``: a replacement started after ``t`` trains with its peer."""
+    return sum(1 for head, recs in ledger_files(ledger) if head.get("t", 0) > since
+               and sum(1 for r in recs if "commit" in r and r.get("n") == quorum) >= k) >= files

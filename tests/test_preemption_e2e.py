@@ -40,7 +40,7 @@ from elastic_ddp.checkpoint.export import model_state
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
-from helpers import add_node, max_step, train_ids, wait_until
+from helpers import add_node, ledger_files as _ledger_files, max_step, replicas_together, train_ids, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -244,27 +244,6 @@ def _per_step_job(data: Path, tmp: Path, name: str):
     return Config.from_dict(_deep_update(_raw(data, tmp, name), PER_STEP))
 
 
-def _ledger_files(ledger: Path) -> list[tuple[dict, list[dict]]]:
-    out = []
-    for f in sorted(ledger.glob("attempt-*.jsonl")):
-        recs = []
-        for ln in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(ln))
-            except ValueError:
-                pass  # a line being written
-        if recs:
-            out.append((recs[0], recs[1:]))
-    return out
-
-
-def _together(ledger: Path, k: int = 5) -> bool:
-    """Both replicas have committed ``k`` steps in one quorum (a signal then reaches a
-    replica that trains, not one still starting)."""
-    return sum(1 for _, recs in _ledger_files(ledger)
-               if sum(1 for r in recs if "commit" in r and r["n"] == 2) >= k) >= 2
-
-
 def _check_per_step(summary, baseline, ledger: Path, data: Path, source: str) -> dict:
     """A per-step job that one replica left on a notice finished exactly: the per-step
     audit clean with no step redone, one preemption of ``source`` (RETRY, left the
@@ -323,7 +302,7 @@ def test_per_step_sigterm_to_one_worker_leaves_the_quorum_after_a_committed_step
     cfg = _per_step_job(data, tmp_path, "ps-sigterm")
     th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
                                           progress=False))
-    wait_until(lambda: not th.is_alive() or _together(ledger), 300)
+    wait_until(lambda: not th.is_alive() or replicas_together(ledger), 300)
     assert th.is_alive(), result
     pid = sorted(w["pid"] for w in _workers())[-1]
     os.kill(pid, signal.SIGTERM)
@@ -351,7 +330,7 @@ def test_per_step_a_node_drained_with_a_20s_deadline_loses_its_replica_at_a_step
     slow = {**SLOW, "step_s": 1.0}
     th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=slow),
                                           progress=False))
-    wait_until(lambda: not th.is_alive() or _together(ledger), 300)
+    wait_until(lambda: not th.is_alive() or replicas_together(ledger), 300)
     assert th.is_alive(), result
     node_id = sorted(w["node_id"] for w in _workers())[0]
     t_drain = time.time()
@@ -429,3 +408,44 @@ def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resume
     got, ref = model_state(ckpts[-1]), model_state(baseline.checkpoint_path)
     for k in ref:
         assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+
+
+def test_per_step_a_fault_after_a_replacement_names_the_replacement(cluster, data, tmp_path):
+    """Per-step mode, two faults in a row: one worker gets SIGTERM (its replica leaves and
+    Ray replaces it alone, no worker-group restart), then the replacement is SIGKILLed.
+    The second fault's event names the replacement (its pid and node), not the worker it
+    replaced: the controller's worker list follows a replica replaced alone."""
+    ledger = tmp_path / "ledger"
+    raw = _deep_update(_raw(data, tmp_path, "ps-twice"), PER_STEP)
+    cfg = __import__("elastic_ddp.config", fromlist=["Config"]).Config.from_dict(
+        _deep_update(raw, {"train": {"epochs": 4}, "scaling": {"max_failures": 3}}))
+    slow = {**SLOW, "step_s": 0.5}
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=slow),
+                                          progress=False))
+    wait_until(lambda: not th.is_alive() or replicas_together(ledger), 300)
+    assert th.is_alive(), result
+    first = {w["pid"]: w["node_id"] for w in _workers()}
+    pid = sorted(first)[-1]
+    os.kill(pid, signal.SIGTERM)
+    t_term = time.time()
+
+    # The replacement has committed 3 steps with the survivor.
+    wait_until(lambda: not th.is_alive() or replicas_together(ledger, k=3, files=1, since=t_term), 300)
+    assert th.is_alive(), result
+    (new_pid, new_node), = [(p, n) for p, n in ((w["pid"], w["node_id"]) for w in _workers()) if p not in first]
+    os.kill(new_pid, signal.SIGKILL)
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    s = result["summary"]
+    print(json.dumps(s.events, indent=1, default=str))
+    (pre,) = [e for e in s.events if e["type"] == "preemption"]
+    assert pre["node_ids"] == [first[pid]], pre
+    (fail,) = [e for e in s.events if e["type"] == "failure"]
+    assert fail.get("pid") == new_pid, fail
+    assert fail.get("cause_kind") == "died" and fail.get("signal") == "SIGKILL", fail
+    assert fail.get("cause_rank") == pre["noticed_ranks"][0], (fail, pre)
+    report = audit(ledger, train_ids(data), 4)
+    print(format_audit(report))
+    assert report["ok"] and not report["problems"], report["problems"]

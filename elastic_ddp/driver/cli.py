@@ -25,7 +25,9 @@ exit codes:
        or no checkpoint of the run passes its checksums
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
   143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
-       restart mode); running the same config again resumes it with no step recomputed
+       restart mode); running the same config again resumes it with no step recomputed.
+       Also SIGTERM before training started (checks, data scan, MLflow run creation,
+       Ray start-up): nothing to checkpoint, a run opened by then is marked KILLED
 """
 
 SET_RULES = """\

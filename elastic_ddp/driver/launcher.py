@@ -29,7 +29,8 @@ from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, che
                                           check_tracking_store, prepare, process_start_time,
                                           tracking_uri_field, job_spec)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
-from elastic_ddp.driver.stop import JobStopped, SigtermStop  # noqa: F401 - JobStopped re-exported
+from elastic_ddp.driver.stop import (EarlySigterm, JobStopped, SigtermStop,  # noqa: F401 - JobStopped re-exported
+                                     StoppedBeforeTraining)
 from elastic_ddp.run_state import Diagnostics
 
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
@@ -266,6 +267,16 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     # First, before torch: the MLflow helper imports MLflow on another core while this
     # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).
     diagnostics = diagnostics or Diagnostics()
+    # SIGTERM before fit (checks, scan, MLflow run creation, Ray start-up) stops the job
+    # through the clean-up paths below instead of ending the process mid-write.
+    with EarlySigterm() as early_term:
+        return _train(cfg, task, progress, parent_run_id, command_start, on_validated,
+                      diagnostics, early_term)
+
+
+def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
+           command_start: Optional[float], on_validated, diagnostics: Diagnostics,
+           early_term: EarlySigterm) -> Summary:
     uri = tracking.default_tracking_uri(cfg)
     opener = RunOpener(uri)
     host = tracker = None
@@ -295,16 +306,16 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         opener.cancel()  # no run is opened for a job that fails its checks
         _kill(host, tracker)
         raise
-    if lease.describe_takeover():
-        print(lease.describe_takeover(), flush=True)
-    marks["scanned"] = time.time()
-    storage = _storage_path(cfg)
-    opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
-                train_info=train_info, val_info=val_info, skipped=skipped)
-    # A local ray.init mostly waits for its GCS and raylet processes to come up; Ray
-    # Train's import runs beside it.
-    side = Background(_import_ray_train, name="import-ray-train")
     try:
+        if lease.describe_takeover():
+            print(lease.describe_takeover(), flush=True)
+        marks["scanned"] = time.time()
+        storage = _storage_path(cfg)
+        opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
+                    train_info=train_info, val_info=val_info, skipped=skipped)
+        # A local ray.init mostly waits for its GCS and raylet processes to come up; Ray
+        # Train's import runs beside it.
+        side = Background(_import_ray_train, name="import-ray-train")
         if tracker is None:
             host, tracker = _connect_and_start(cfg, uri)
             marks["ray_ready"] = time.time()
@@ -317,10 +328,12 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
             # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
             try:
                 run_id = opener.result()["run_id"]
-            except BaseException:  # noqa: BLE001 - the open failed too: no run is left open
+            except BaseException:  # noqa: BLE001 - the open failed too (or was never sent): no run is left open
+                opener.cancel()
                 raise e from None
+            killed = not isinstance(e, Exception) or isinstance(e, StoppedBeforeTraining)
             _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
-                          "FAILED" if isinstance(e, Exception) else "KILLED", opener)
+                          "KILLED" if killed else "FAILED", opener)
             raise
         finally:
             lease.release()
@@ -343,6 +356,7 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         # SIGTERM: a checkpoint, then exit 143 (restart mode; in per_step mode SIGTERM ends
         # the driver as it would without elastic-ddp).
         stop = SigtermStop(host, enabled=job.preemption and cfg.scaling.fault_tolerance == "restart")
+        early_term.release()
         try:
             # Without progress lines it still prints the tracker's warnings (data wait).
             with ProgressDisplay(tracker, total, show=progress), stop:
@@ -356,6 +370,9 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.controller.failures import describe_training_error
 
+        if isinstance(e, StoppedBeforeTraining):
+            _close_failed(uri, run_id, tracker, str(e), "KILLED", opener)
+            raise
         if stop is not None and stop.stopped(e):
             _close_failed(uri, run_id, tracker, "stopped on SIGTERM at a checkpoint", "KILLED", opener)
             raise JobStopped(f"stopped on SIGTERM at a checkpoint (MLflow run {run_id} KILLED); "

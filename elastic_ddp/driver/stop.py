@@ -87,3 +87,41 @@ class SigtermStop:
                 return True
             e = getattr(e, "controller_failure", None) or e.__cause__
         return "StopRequested" in str(error)
+
+
+class StoppedBeforeTraining(JobStopped):
+    """SIGTERM arrived before training started (preflight, data scan, MLflow run
+    creation, Ray start-up): there is nothing to checkpoint; an MLflow run opened by then
+    is closed as KILLED, and running the same command starts the job."""
+
+
+class EarlySigterm:
+    """Until :meth:`release` (or the block's end), SIGTERM raises
+    :class:`StoppedBeforeTraining` in the main thread, the way Ctrl-C raises
+    KeyboardInterrupt: the launcher's clean-up paths run (no MLflow run left RUNNING, the
+    run's lease released) and the CLI exits with :data:`EXIT_STOPPED`. Installed only in
+    the main thread (only it may install a handler)."""
+
+    def __init__(self):
+        self._before = None
+        self._installed = False
+
+    def __enter__(self) -> "EarlySigterm":
+        if threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Put the handler found at entry back (SigtermStop then takes over during fit)."""
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._before if self._before is not None else signal.SIG_DFL)
+            self._installed = False
+
+    @staticmethod
+    def _on_sigterm(signum, frame) -> None:
+        raise StoppedBeforeTraining("stopped on SIGTERM before training started (nothing to "
+                                    "checkpoint); run the same command to start the job")
