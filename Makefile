@@ -28,13 +28,22 @@ train: $(STAMP)
 	$(VENV)/bin/elastic-ddp prepare digits data/digits
 	$(VENV)/bin/elastic-ddp train experiments/configs/digits_cnn.yaml
 
+# The default suite (`-m "not slow"`) in two passes: the tests that start no Ray cluster on
+# two xdist workers, then the Ray tests one at a time (a Ray test's local cluster and its
+# workers take the machine's cores). `--dist loadfile` gives each test file to one worker,
+# so a module's fixtures (the gloo jobs of test_parallel, the checkpoints of
+# test_checkpoint_sharded) run once, not once per worker. Both passes always run; the
+# target fails when either fails or selects no test (pytest exit 5).
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	rc=0; \
+	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile || rc=$$?; \
+	$(PY) -m pytest -m "ray and not slow" -q || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	exit $$rc
 
 # Every change: the tests that start no Ray cluster (config, batching, order, readers,
-# task protocol, data scan, strategies on gloo process groups), in about two minutes.
+# task protocol, data scan, strategies on gloo process groups).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not ray and not slow" -q -n 2
+	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

@@ -112,40 +112,58 @@ def test_the_holder_renews_its_heartbeat(tmp_path, monkeypatch):
 def test_two_processes_opening_runs_on_a_fresh_sqlite_store_both_succeed(tmp_path):
     """The first MLflow open of a new sqlite file creates its tables: two at once
     collided (``table _alembic_tmp_experiments already exists``)."""
+    # One interpreter imports what the open imports, then forks an opener process per
+    # (store, job): six real processes that meet on their stores with the imports done,
+    # for the cost of one import.
     code = textwrap.dedent("""
-        import sys, time
+        import json, os, sys, time
         from elastic_ddp.config import Config
         from elastic_ddp.tracking import open_run
         import mlflow.store.tracking.sqlalchemy_store  # what the open imports, before the start
-        root, name = sys.argv[1], sys.argv[2]
-        cfg = Config.from_dict({"data": {"train_path": root}, "model": {"name": "mlp"},
-                                "run": {"name": name,
-                                "experiment_name": "tests", "tracking_uri": f"sqlite:///{root}/mlflow.db",
-                                "storage_path": root}})
+        roots = json.loads(sys.argv[1])
         print("ready", flush=True)
         start = float(sys.stdin.readline())
-        time.sleep(max(0.0, start - time.time()))  # both at the same moment, imports done
-        print(open_run(cfg, root, cfg.run.tracking_uri)[0])
+        children = {}
+        for root in roots:
+            for name in ("job0", "job1"):
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        cfg = Config.from_dict({"data": {"train_path": root}, "model": {"name": "mlp"},
+                                                "run": {"name": name, "experiment_name": "tests",
+                                                        "tracking_uri": f"sqlite:///{root}/mlflow.db",
+                                                        "storage_path": root}})
+                        time.sleep(max(0.0, start - time.time()))  # all at the same moment
+                        print(root, name, open_run(cfg, root, cfg.run.tracking_uri)[0], flush=True)
+                        code = 0
+                    except BaseException:
+                        import traceback
+                        traceback.print_exc()
+                    finally:
+                        os._exit(code)
+                children[pid] = (root, name)
+        failed = [children[pid] for pid in children if os.waitpid(pid, 0)[1] != 0]
+        print("failed", json.dumps(failed), flush=True)
+        sys.exit(1 if failed else 0)
     """)
     # Three pairs at once, each on a fresh store of its own: a collision is a matter of
-    # timing, so one pair could pass by luck; three in turn cost three imports in turn.
+    # timing, so one pair could pass by luck.
     roots = [tmp_path / f"t{trial}" for trial in range(3)]
-    procs = []
     for root in roots:
         root.mkdir()
-        procs += [subprocess.Popen([sys.executable, "-c", code, str(root), f"job{i}"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env=dict(os.environ, PYTHONPATH=str(REPO))) for i in range(2)]
-    # Once all have imported, one start time half a second ahead for all: a fixed lead
-    # for the imports (15 s) idles on an idle machine and can be too short on a busy
-    # one, where the two opens of a pair would no longer meet.
-    assert [p.stdout.readline().strip() for p in procs] == ["ready"] * len(procs)
-    start = time.time() + 0.5
-    for p in procs:
-        p.stdin.write(f"{start}\n")
-        p.stdin.flush()
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert [p.returncode for p in procs] == [0] * len(procs), outs
+    p = subprocess.Popen([sys.executable, "-c", code, json.dumps([str(r) for r in roots])],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    # Once the imports are done, one start time half a second ahead for all: a fixed lead
+    # for the imports idles on an idle machine and can be too short on a busy one, where
+    # the two opens of a pair would no longer meet.
+    assert p.stdout.readline().strip() == "ready"
+    p.stdin.write(f"{time.time() + 0.5}\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, (out, err[-3000:])
+    assert out.splitlines()[-1] == "failed []", out
     for root in roots:
         assert len(mlflow_runs(root)) == 2
 
