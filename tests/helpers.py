@@ -298,19 +298,31 @@ def ledger_files(ledger) -> list:
     """The sample ledger's attempt files under ``ledger`` (a directory), read as they are
     being written: ``[(header record, [the later records]), ...]``, a partly written last
     line left out."""
-    import json
     from pathlib import Path
 
     out = []
     for f in sorted(Path(ledger).glob("attempt-*.jsonl")):
-        recs = []
-        for ln in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(ln))
-            except ValueError:
-                pass  # a line being written
+        recs = jsonl_records(f)
         if recs:
             out.append((recs[0], recs[1:]))
+    return out
+
+
+def jsonl_records(path) -> list:
+    """The JSON records of a JSON-lines file that may still be being written: [] when it
+    does not exist yet, a partly written line left out."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            out.append(json.loads(ln))
+        except ValueError:
+            pass  # a line being written
     return out
 
 

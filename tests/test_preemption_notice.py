@@ -17,6 +17,7 @@ import time
 import pytest
 
 from conftest import InProcess
+from helpers import jsonl_records
 from elastic_ddp import notice
 from elastic_ddp.notice import Preempted, preempted_in
 
@@ -352,20 +353,6 @@ def _replicas(tmp_path, steps: int = 100_000):
     return lighthouse, procs, logs
 
 
-def _lines(path) -> list[dict]:
-    import json
-
-    if not path.exists():
-        return []
-    out = []
-    for ln in path.read_text().splitlines():
-        try:
-            out.append(json.loads(ln))
-        except ValueError:
-            pass  # a line being written
-    return out
-
-
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other_redoes_none(tmp_path, how):
     """Two real torchft replicas (ReplicaGroup, gloo, a real lighthouse with LIGHTHOUSE's
@@ -385,12 +372,12 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
 
     try:
         # Both replicas trained 6 steps in one quorum (a slow start: one heals from the other).
-        wait(lambda: all(sum(1 for r in _lines(f) if r.get("n") == 2 and r.get("ok")) >= 6 for f in logs), 240)
+        wait(lambda: all(sum(1 for r in jsonl_records(f) if r.get("n") == 2 and r.get("ok")) >= 6 for f in logs), 240)
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
         t_signal = time.time()
         os.kill(procs[1].pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         procs[1].wait(timeout=60)
-        wait(lambda: sum(1 for r in _lines(logs[0]) if r["t"] > t_signal and r["n"] == 1 and r["ok"]) >= 5, 60)
+        wait(lambda: sum(1 for r in jsonl_records(logs[0]) if r["t"] > t_signal and r["n"] == 1 and r["ok"]) >= 5, 60)
         (tmp_path / "stop").touch()
         out0, err0 = procs[0].communicate(timeout=120)
         assert procs[0].returncode == 0, err0[-3000:]
@@ -399,7 +386,7 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
             if p.poll() is None:
                 p.kill()
         lighthouse.shutdown()
-    survivor, leaver = _lines(logs[0]), _lines(logs[1])
+    survivor, leaver = jsonl_records(logs[0]), jsonl_records(logs[1])
     alone = [r for r in survivor if r["t"] > t_signal and r["n"] == 1]
     assert alone and all(r["ok"] for r in alone), survivor[-5:]
     redone = [r for r in survivor if not r["ok"]]
