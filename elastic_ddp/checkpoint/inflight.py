@@ -47,10 +47,14 @@ def _stager(device: torch.device):
     """The process's stager (``torch.distributed.checkpoint.staging.DefaultStager``),
     made at the first asynchronous save. Synchronous staging (the step loop must not
     change the state before it is copied); on CUDA into pinned memory with non-blocking
-    copies (one synchronize at the end), on the CPU into plain host memory."""
+    copies (one synchronize at the end), on the CPU into plain host memory. None on a
+    torch without ``DefaultStager`` (``async_save`` then stages with the writer)."""
     global _STAGER
     if _STAGER is None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:  # a torch older than the stager API: the writer's own staging
+            return None
 
         cuda = device.type == "cuda"
         _STAGER = DefaultStager(StagingOptions(
@@ -102,8 +106,9 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
         _IN_FLIGHT.join()
     p = Pending(fs, dest, name, step, metrics, device)
     p.report = report
-    future = async_save(state, storage_writer=FileSystemWriter(dest), process_group=group,
-                        async_stager=_stager(device))
+    stager = _stager(device)
+    extra = {"async_stager": stager} if stager is not None else {}
+    future = async_save(state, storage_writer=FileSystemWriter(dest), process_group=group, **extra)
     lead = manager.rank == 0
 
     def finish() -> None:
