@@ -416,3 +416,30 @@ def test_no_checkpoint_that_verifies_is_refused_naming_each_bad_file(tmp_path):
     bad.write_text(bad.read_text().replace('"step": 2', '"step": 7'))  # same length
     with pytest.raises(CheckpointCorruptError, match=r"checkpoint_step00000002: run_state.json \(xxh3_64"):
         mgr.restore(fresh)
+
+
+def test_a_replicated_state_is_cut_into_disjoint_balanced_shares():
+    """``replicated_share``: each rank keeps a disjoint share of the replicated tensors
+    (their union is the whole state), balanced by bytes, the same cut on every rank;
+    non-tensor values and the parts not named stay whole on every rank."""
+    from elastic_ddp.checkpoint.manager import REPLICATED_PARTS, replicated_share
+
+    model = {f"w{i}": torch.zeros(n) for i, n in enumerate([1000, 600, 500, 300, 200, 100, 40])}
+    optim = {"state.w0.exp_avg": torch.zeros(1000), "state.w0.step": torch.tensor(3.0),
+             "param_groups.w0.lr": 0.1}
+    state = {"model": model, "optim": optim, "comm_hook": {"k": torch.zeros(5)}}
+    for ws in (2, 3):
+        shares = [replicated_share(state, REPLICATED_PARTS["ddp"], r, ws) for r in range(ws)]
+        for part in ("model", "optim"):
+            tensors = [{k for k, v in s[part].items() if isinstance(v, torch.Tensor)} for s in shares]
+            assert set().union(*tensors) == {k for k, v in state[part].items()
+                                             if isinstance(v, torch.Tensor)}
+            assert sum(map(len, tensors)) == len(set().union(*tensors)), f"{part}: shares overlap"
+        assert all(s["optim"]["param_groups.w0.lr"] == 0.1 for s in shares)
+        assert all(s["comm_hook"] is state["comm_hook"] for s in shares)
+        nbytes = [sum(v.numel() * v.element_size() for part in ("model", "optim")
+                      for v in s[part].values() if isinstance(v, torch.Tensor)) for s in shares]
+        assert max(nbytes) <= sum(nbytes) / ws + 1000 * 4, f"world size {ws}: unbalanced {nbytes}"
+    zero = replicated_share(state, REPLICATED_PARTS["zero1"], 1, 2)
+    assert zero["optim"] == optim and len(zero["model"]) < len(model)
+    assert replicated_share(state, REPLICATED_PARTS.get("fsdp", ()), 1, 2) == state

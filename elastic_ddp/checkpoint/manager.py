@@ -26,6 +26,7 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from elastic_ddp.checkpoint.checksum import (
@@ -134,6 +135,9 @@ class CheckpointManager:
                 self._report(metrics, fs, dest, name, lead=False)
             return None
         state = self.model_optimizer_state(strategy)
+        if self.collective and self.world_size > 1:
+            state = replicated_share(state, REPLICATED_PARTS.get(strategy.name, ()),
+                                     self.rank, self.world_size)
         if strategy.hook_state is not None:
             state["comm_hook"] = powersgd_keys(strategy.hook_state, self.rank, self.world_size)
         if asynchronous and self.collective and local:
@@ -380,6 +384,42 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+#: The parts of ``model_optimizer_state`` that every rank holds identically, per strategy:
+#: ddp replicates model and optimizer; zero1 the model (its optimizer is partitioned);
+#: fsdp's parts are DTensors, each rank holding its shard.
+REPLICATED_PARTS = {"ddp": ("model", "optim"), "zero1": ("model",)}
+
+
+def replicated_share(state: dict[str, Any], parts, rank: int, world_size: int) -> dict[str, Any]:
+    """``state`` with the plain tensors of its replicated ``parts`` cut to ``rank``'s share,
+    so that each rank stages (copies to host memory) and writes only what it writes anyway.
+
+    DCP's planner would dedup the replicated tensors at the plan, after ``async_save``
+    has staged the whole state on every rank: a world_size-fold copy for a 1/world_size
+    write. The share: tensors by size, largest first (ties by key), each to the rank with
+    the fewest bytes so far (ties to the lowest rank); the same on every rank, since the
+    replicated tensors' shapes are. Non-tensor values (step counts, learning rates) stay
+    on every rank; DCP dedups them. The checkpoint's metadata is the union of the ranks'
+    plans, so a restore at any world size reads every key. Costs: nothing at a restore."""
+    sizes = []
+    for part in parts:
+        for key, value in state.get(part, {}).items():
+            if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+                sizes.append((-value.numel() * value.element_size(), part, key))
+    loads = [0] * world_size
+    dropped: dict[str, set] = {part: set() for part in parts}
+    for neg, part, key in sorted(sizes):
+        owner = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[owner] -= neg
+        if owner != rank:
+            dropped[part].add(key)
+    out = dict(state)
+    for part in parts:
+        if part in out:
+            out[part] = {k: v for k, v in out[part].items() if k not in dropped[part]}
+    return out
 
 
 def _misfit(path: str, what: str, e: BaseException) -> CheckpointError:
