@@ -1,11 +1,14 @@
 """Checkpoint cost by model size: this project's sharded path (synchronous and
 asynchronous), the full-state path of an older checkout (one ``state.pt`` built by rank 0)
 and plain DCP ``async_save`` (the torchtitan way), side by side in one run, on 2 ranks of
-gloo started by ``torchrun``.
+gloo started by ``torchrun`` (``--device cuda``: NCCL, ``--nproc`` ranks of one GPU each,
+the state staged into pinned host memory; the full-state path is for the CPU).
 
     .venv/bin/python experiments/bench_checkpoint.py --sizes 2x128,4x256,8x512
     .venv/bin/python experiments/bench_checkpoint.py --checkout <commit>   # the old path
     .venv/bin/python experiments/bench_checkpoint.py --sizes 24x1024 --paths "" --interleave
+    .venv/bin/python experiments/bench_checkpoint.py --device cuda --nproc 1 --sizes 20x2048 \
+        --strategies fsdp --paths sharded_async,dcp_async --repeat 1   # a GPU: gpu_check.sh
 
 Model: the gpt task widened (``n_layer x n_embd``, block 64), AdamW, strategies ddp and
 fsdp. Per (size, strategy, path), printed: parameters, state bytes on disk, one training
@@ -95,18 +98,25 @@ def worker(args) -> None:
     from elastic_ddp.parallel.strategies import build_strategy
     from elastic_ddp.tasks.loading import build_model, load_task
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:  # NCCL, one GPU per rank; the state is staged into pinned host memory
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     cfg = _cfg(args.size, args.strategy)
     task = load_task(cfg)
 
     def fresh():
         torch.manual_seed(0)
-        return build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
+        return build_strategy(cfg, build_model(cfg, task).to(device), device, ws)
 
     s = fresh()
-    x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(rank))
+    x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(rank)).to(device)
 
     def step() -> float:
         t = time.perf_counter()
@@ -114,6 +124,8 @@ def worker(args) -> None:
         loss.mean().backward()
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     step()
@@ -122,7 +134,7 @@ def worker(args) -> None:
     blocked, persisted = [], []
     path = args.path
     if path == "interleaved":
-        return _interleaved(args, s, step, store, rank, ws)
+        return _interleaved(args, s, step, store, rank, ws, device)
     for k in range(args.repeat + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -159,7 +171,7 @@ def worker(args) -> None:
             step()
             fut.result()
             t2 = done()
-        dt = torch.tensor([t1 - t0, t2 - t0])
+        dt = torch.tensor([t1 - t0, t2 - t0], device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if k:
             blocked.append(float(dt[0]))
@@ -188,7 +200,8 @@ def worker(args) -> None:
     out = {"rank": rank, "step_s": step_s, "blocked_s": statistics.median(blocked),
            "persisted_s": statistics.median(persisted), "restore_s": restore, "read_bytes": read,
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "params": sum(p.numel() for p in s.module.parameters())}  # DTensor: the global count
+           "params": sum(p.numel() for p in s.module.parameters()),  # DTensor: the global count
+           "gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None}
     parts = [None] * ws
     dist.all_gather_object(parts, out)
     if rank == 0:
@@ -197,7 +210,7 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _interleaved(args, s, step, store: Path, rank: int, ws: int) -> None:
+def _interleaved(args, s, step, store: Path, rank: int, ws: int, device) -> None:
     """This project's asynchronous save, plain DCP ``async_save`` and DCP ``async_save``
     with one stager kept across its saves, alternated in one process group, ``--repeat``
     + 1 each (the first of each a warm-up), a training step during every write: all see
@@ -219,14 +232,15 @@ def _interleaved(args, s, step, store: Path, rank: int, ws: int) -> None:
     from elastic_ddp.checkpoint.manager import CheckpointManager
 
     pg = dist.new_group(backend="gloo")
-    kept = DefaultStager(StagingOptions(False, False, False, False))
+    cuda = device.type == "cuda"  # as this project's stager: pinned, non-blocking copies on CUDA
+    kept = DefaultStager(StagingOptions(cuda, False, False, cuda))
     m = CheckpointManager(str(store), "run", {}, rank, ws, collective=True,
                           log=lambda _: None, strategy_name=args.strategy)
     # Host copies alive at once on every rank: this project's kept one, a fresh one of
     # dcp_async while it writes, and dcp_async_kept's. Kinds whose copies do not fit in
     # the memory available (every rank on this machine) are left out, named in RESULT.
     staged = _staged_bytes(m.model_optimizer_state(s))
-    need = torch.tensor([float(staged)])
+    need = torch.tensor([float(staged)], device=device)
     dist.all_reduce(need)
     free = _mem_available()
     kinds = tuple(k for n, k in enumerate(("sharded_async", "dcp_async", "dcp_async_kept"))
@@ -258,7 +272,7 @@ def _interleaved(args, s, step, store: Path, rank: int, ws: int) -> None:
             done = _when_done(fut.result, t1)
             step()
             fut.result()
-        dt = torch.tensor([t1 - t0, done() - t0])
+        dt = torch.tensor([t1 - t0, done() - t0], device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if k >= len(kinds):
             got[kind].append((float(dt[0]), float(dt[1])))
@@ -305,12 +319,14 @@ def _old_checkout(rev: str | None) -> Path:
     return d
 
 
-def run_one(size: str, strategy: str, path: str, repeat: int, code: Path) -> dict:
+def run_one(size: str, strategy: str, path: str, repeat: int, code: Path,
+            device: str = "cpu", nproc: int = 2) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as out:
         env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1")
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-               str(Path(__file__).resolve()), "--worker", "--size", size, "--strategy", strategy,
-               "--path", path, "--repeat", str(repeat), "--out", out]
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
+               str(nproc), str(Path(__file__).resolve()), "--worker", "--size", size,
+               "--strategy", strategy, "--path", path, "--repeat", str(repeat), "--out", out,
+               "--device", device]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, check=False)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
@@ -374,6 +390,9 @@ def main() -> None:
     ap.add_argument("--checkout", default=None, help="commit of the full-state path")
     ap.add_argument("--driver-sizes", default=None,
                     help="measure the driver's peak RSS of an elastic-ddp job at these sizes instead")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: NCCL, one GPU per rank, staging into pinned host memory")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (with cuda: at most the GPUs)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size"), ap.add_argument("--strategy"), ap.add_argument("--path")
     ap.add_argument("--out")
@@ -387,7 +406,8 @@ def main() -> None:
             print(f"{size:>8} {r['weights_mb']:>10.0f} {r['rss_mb']:>18.0f} "
                   f"{r['rss_mb'] - r['weights_mb']:>13.0f}", flush=True)
         return None
-    old = _old_checkout(args.checkout)
+    paths = [p for p in args.paths.split(",") if p]
+    old = _old_checkout(args.checkout) if "full_state" in paths else None
     try:
         print(f"{'size':>7} {'strat':>5} {'path':>13} {'params':>9} {'disk MB':>8} {'step s':>7} "
               f"{'blocked s':>9} {'persist s':>9} {'restore s':>9} {'read MB/rank':>12} "
@@ -395,8 +415,9 @@ def main() -> None:
         for size in args.sizes.split(","):
             for strategy in args.strategies.split(","):
                 ref = None
-                for path in [p for p in args.paths.split(",") if p]:
-                    r = run_one(size, strategy, path, args.repeat, old if path == "full_state" else ROOT)
+                for path in paths:
+                    r = run_one(size, strategy, path, args.repeat,
+                                old if path == "full_state" else ROOT, args.device, args.nproc)
                     k = r["ranks"]
                     row = {f: max(x[f] for x in k) for f in ("step_s", "blocked_s", "persisted_s", "restore_s")}
                     ref = ref or row
@@ -406,15 +427,17 @@ def main() -> None:
                           f"{r['disk_bytes'] / 1e6:>8.1f} {row['step_s']:>7.2f} {row['blocked_s']:>9.3f} "
                           f"{row['persisted_s']:>9.3f} {row['restore_s']:>9.3f} "
                           f"{reads:>12} {rss:>13}  "
-                          f"{row['blocked_s'] / ref['blocked_s']:.2f}x, {row['restore_s'] / ref['restore_s']:.2f}x",
-                          flush=True)
+                          f"{row['blocked_s'] / ref['blocked_s']:.2f}x, {row['restore_s'] / ref['restore_s']:.2f}x"
+                          + (f"  GPU peak GB {max(x['gpu_gb'] for x in k):.1f}"
+                             if k[0].get("gpu_gb") is not None else ""), flush=True)
         if args.interleave:
             print(f"\n{'size':>7} {'strat':>5}  interleaved, median of {args.repeat}: blocked s "
                   f"(this project / DCP async = ratio; / DCP async, kept stager = ratio), "
                   f"persisted s (this project / DCP async / DCP async, kept stager)")
             for size in args.sizes.split(","):
                 for strategy in args.strategies.split(","):
-                    r = run_one(size, strategy, "interleaved", args.repeat, ROOT)
+                    r = run_one(size, strategy, "interleaved", args.repeat, ROOT, args.device,
+                                args.nproc)
                     if "skipped" in r:
                         print(f"{size:>7} {strategy:>5}  left out: {r['skipped']}", flush=True)
                         continue
@@ -427,9 +450,10 @@ def main() -> None:
                           f"{d['persisted_s']:.2f}" + (f" / {e['persisted_s']:.2f}" if e else ""),
                           flush=True)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
-                       capture_output=True, check=False)
-        shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
+                           capture_output=True, check=False)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":

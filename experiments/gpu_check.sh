@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU paths in one short run, for a lent GPU machine:
 #
-#   bash experiments/gpu_check.sh            # from the repository root; about 5 minutes
+#   bash experiments/gpu_check.sh            # from the repository root; about 8 minutes
 #
 # 1. the environment: nvidia-smi, torch's CUDA and NCCL versions;
 # 2. the `gpu`-marked tests (tests/test_gpu.py: digits on NCCL, the backend tag, the model);
@@ -15,9 +15,12 @@
 #    PaLM's appendix B for short contexts). PEAK_TFLOPS overrides the peak (default: the
 #    bf16 dense peak of the GPU named by nvidia-smi, H100/H200 989, A100 312).
 #
+# 5. a sharded asynchronous checkpoint of a 1.0B-parameter model (CKPT_SIZE): blocked
+#    seconds against the step, beside plain DCP async_save.
+#
 # Every step has its own time limit and writes its whole output to $OUT (default
 # /tmp/gpu_check); a step that fails prints its tail and the script goes on. The exit
-# status is the number of failed steps among 2-4 (the packed two-worker runs of step 3
+# status is the number of failed steps among 2-5 (the packed two-worker runs of step 3
 # are reported, never counted: NCCL refusing them is an answer, not a defect).
 # Python: $PYTHON, else .venv/bin/python, else python3; it must have this package, torch
 # with CUDA, ray[train], mlflow and torchft installed (the machine may have no network).
@@ -108,5 +111,14 @@ print(f"gpt preset on 1 GPU ({name}): {n} parameters, {tok_s:,.0f} tokens/s (med
       f"second half of the log steps), MFU {mfu:.2%} of {peak / 1e12:.0f} TFLOP/s bf16")
 EOF
 fi
+# 5. A sharded asynchronous checkpoint of a large model (CKPT_SIZE, n_layer x n_embd of the
+#    widened gpt; 20x2048 is 1.0B parameters: 12 GB of fp32 model and AdamW state staged,
+#    16 GB on the GPU with the gradients): blocked seconds (staging into pinned host memory)
+#    against one training step, beside plain DCP async_save, one GPU per rank (at most 2). Each path writes 2 checkpoints of the state
+#    into /tmp, so the disk needs twice the state free.
+CKPT_SIZE=${CKPT_SIZE:-20x2048}
+step ckpt_sharded_async 420 1 "$PY" experiments/bench_checkpoint.py --device cuda --nproc "$WS" \
+    --sizes "$CKPT_SIZE" --strategies fsdp --paths sharded_async,dcp_async --repeat 1 \
+    && cat "$OUT/ckpt_sharded_async.log"
 echo "=== done in $((SECONDS - T0))s; failed steps: $failed; logs in $OUT"
 exit "$failed"
