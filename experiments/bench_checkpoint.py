@@ -239,15 +239,19 @@ def _interleaved(args, s, step, store: Path, rank: int, ws: int, device) -> None
     # Host copies alive at once on every rank: this project's kept one, a fresh one of
     # dcp_async while it writes, and dcp_async_kept's. Kinds whose copies do not fit in
     # the memory available (every rank on this machine) are left out, named in RESULT.
-    staged = _staged_bytes(m.model_optimizer_state(s))
-    need = torch.tensor([float(staged)], device=device)
-    dist.all_reduce(need)
+    from elastic_ddp.checkpoint.manager import REPLICATED_PARTS, replicated_share
+
+    full = m.model_optimizer_state(s)
+    ours = replicated_share(full, REPLICATED_PARTS.get(args.strategy, ()), rank, ws)
+    need = torch.tensor([float(_staged_bytes(ours)), float(_staged_bytes(full))], device=device)
+    dist.all_reduce(need)  # over the ranks: this project's share, DCP's whole local state
     free = _mem_available()
-    kinds = tuple(k for n, k in enumerate(("sharded_async", "dcp_async", "dcp_async_kept"))
-                  if (n + 1) * float(need) < 0.9 * free)
+    copies = [float(need[0]), float(need[0] + need[1]), float(need[0] + 2 * need[1])]
+    kinds = tuple(k for k, c in zip(("sharded_async", "dcp_async", "dcp_async_kept"), copies)
+                  if c < 0.9 * free)
     if len(kinds) < 2:
         if rank == 0:
-            print("RESULT " + json.dumps({"skipped": f"{2 * float(need) / 1e9:.1f} GB "
+            print("RESULT " + json.dumps({"skipped": f"{copies[1] / 1e9:.1f} GB "
                                           f"of host copies needed, {free / 1e9:.1f} GB available"}),
                   flush=True)
         dist.destroy_process_group()
