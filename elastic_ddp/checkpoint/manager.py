@@ -11,7 +11,7 @@ Sharded: every rank writes its own part of the model and optimizer state with
 storage, and reads back only the parts its own shards need. FSDP's parameters and
 optimizer state are DTensors (each rank its shards); ZeRO-1's optimizer state is each
 rank's partition, keyed by parameter name; DDP's replicated state is split among the ranks
-by DCP's planner (each tensor written once). The optimizer state is flattened (one key
+by bytes before staging (``replicated_share``: each tensor copied and written once). The optimizer state is flattened (one key
 per parameter and state), so a checkpoint written at N ranks loads at any M: DCP
 reshards on load. No rank ever holds the full state.
 """
