@@ -17,6 +17,7 @@ save call), seconds until persisted (from the save call until this rank's write,
 manifest share included, is done, timed by a thread while one training step runs), restore
 seconds (a fresh process group, a fresh model; checksums included for this project),
 bytes read per rank at restore (``rchar`` of /proc/self/io: page-cache reads count too)
+and the load's part of them (``rchar`` less the bytes the restore's checksum thread hashes)
 and peak RSS per rank; then the ratios against the full-state path. Each row is the
 median of ``--repeat`` checkpoints after one warm-up.
 
@@ -197,8 +198,19 @@ def worker(args) -> None:
         set_state_dict(s.module, s.optimizer, model_state_dict=msd, optim_state_dict=osd)
     restore = time.perf_counter() - t0
     read = _rchar() - r0
+    hashed = 0
+    if path.startswith("sharded"):
+        # The restore's checksum thread reads this rank's share of the files beside the load
+        # (the same pages: the second read comes from the page cache); rchar counts both.
+        from elastic_ddp.checkpoint import MANIFEST
+        from elastic_ddp.checkpoint.checksum import share_of
+
+        ck = max(store.rglob(MANIFEST), key=lambda f: f.parent.name)  # the restored one: the newest
+        files = json.loads(ck.read_text())["files"]
+        hashed = sum(files[n]["bytes"] for n in share_of(sorted(files), rank, ws))
     out = {"rank": rank, "step_s": step_s, "blocked_s": statistics.median(blocked),
            "persisted_s": statistics.median(persisted), "restore_s": restore, "read_bytes": read,
+           "load_bytes": read - hashed,
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "params": sum(p.numel() for p in s.module.parameters()),  # DTensor: the global count
            "gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None}
@@ -414,7 +426,7 @@ def main() -> None:
     old = _old_checkout(args.checkout) if "full_state" in paths else None
     try:
         print(f"{'size':>7} {'strat':>5} {'path':>13} {'params':>9} {'disk MB':>8} {'step s':>7} "
-              f"{'blocked s':>9} {'persist s':>9} {'restore s':>9} {'read MB/rank':>12} "
+              f"{'blocked s':>9} {'persist s':>9} {'restore s':>9} {'read MB/rank':>12} {'load MB/rank':>12} "
               f"{'RSS MB r0/r1':>13}  ratios vs full_state (blocked, restore)")
         for size in args.sizes.split(","):
             for strategy in args.strategies.split(","):
@@ -426,11 +438,12 @@ def main() -> None:
                     row = {f: max(x[f] for x in k) for f in ("step_s", "blocked_s", "persisted_s", "restore_s")}
                     ref = ref or row
                     reads = "/".join(f"{x['read_bytes'] / 1e6:.0f}" for x in k)
+                    loads = "/".join(f"{x['load_bytes'] / 1e6:.0f}" for x in k)
                     rss = "/".join(f"{x['rss_mb']:.0f}" for x in k)
                     print(f"{size:>7} {strategy:>5} {path:>13} {k[0]['params'] / 1e6:>8.1f}M "
                           f"{r['disk_bytes'] / 1e6:>8.1f} {row['step_s']:>7.2f} {row['blocked_s']:>9.3f} "
                           f"{row['persisted_s']:>9.3f} {row['restore_s']:>9.3f} "
-                          f"{reads:>12} {rss:>13}  "
+                          f"{reads:>12} {loads:>12} {rss:>13}  "
                           f"{row['blocked_s'] / ref['blocked_s']:.2f}x, {row['restore_s'] / ref['restore_s']:.2f}x"
                           + (f"  GPU peak GB {max(x['gpu_gb'] for x in k):.1f}"
                              if k[0].get("gpu_gb") is not None else ""), flush=True)
