@@ -41,7 +41,8 @@ import torch
 import yaml
 
 from conftest import global_order_ids, mlflow_runs
-from helpers import hold_sqlite_lock, mixed_dataset, sigkilled_rank, small_config, write_rows
+from helpers import (hold_sqlite_lock, mixed_dataset, sigint_default, sigkilled_rank, small_config,
+                     write_rows)
 from elastic_ddp.checkpoint.export import model_state
 from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
@@ -322,7 +323,8 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
     cfg.write_text(yaml.safe_dump(small_config(data, tmp_path)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     p = subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=sigint_default)
     db = tmp_path / "mlflow.db"
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
@@ -354,7 +356,8 @@ def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
         "train": {"epochs": 100000, "checkpoint_every_steps": 1000000, "log_every_steps": 1}})))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     p = subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=sigint_default)
     lines = []
     for line in p.stdout:  # progress lines, off a terminal: one every few seconds
         lines.append(line)
