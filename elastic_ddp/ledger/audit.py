@@ -1,126 +1,16 @@
-"""Audit of the sample ledger: which sample ids each committed step trained on, per epoch.
-
-    from elastic_ddp.ledger import audit, format_audit
-    report = audit("runs/ledger", all_ids=train_info.sample_ids, epochs=15)
-    print(format_audit(report))
-
-:class:`LedgerWriter` (``train(cfg, diagnostics=Diagnostics(ledger_dir=...))``) writes one file per
-(attempt, rank), ``attempt-<t_ns>-<hex>-rank<r>.jsonl``: a header line
-``{"header": true, "attempt", "rank", "world_size", "resumed_from", "t"}`` (``attempt`` is
-an id shared by the ranks of one worker group, ``t`` the wall-clock start in seconds),
-then one line per optimizer step ``{"epoch", "step", "ids"}`` with the ids this rank
-computed in that step (``step`` counts from 1 over the whole run), plus ``"skipped":
-true`` when the step's update was dropped on every rank (a non-finite gradient).
-
-Commit rule (the checkpoint is the only committed progress): a step of an attempt is
-COMMITTED iff ``step <= resumed_from`` of the NEXT attempt (attempts ordered by start
-time); every step of the last attempt is committed, because a job that finishes ends with
-a checkpoint. Steps past the next attempt's resume point were recomputed after the
-restart; counting them would double-count.
-
-What "loses nothing" means here, per epoch: every id of the data set appears in exactly
-one committed step (``lost == 0`` and ``repeated == 0``), and inside every attempt all
-ranks ran the same number of steps (else a collective would have hung). A skipped step's
-samples were consumed (they are not lost, the epoch moved past them) but not learned from:
-the audit counts them apart, as ``skipped``, and checks that every rank skipped the same
-steps (the decision must be one for all ranks).
-"""
+"""The audit: each epoch's samples once in committed steps (the rule is in
+:mod:`elastic_ddp.ledger`), for ``restart`` and ``per_step`` ledgers."""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
-
-class LedgerError(RuntimeError):
-    """A ledger directory that cannot be audited: missing, empty, or a malformed file."""
-
-
-@dataclass
-class Attempt:
-    """One worker group's run: its ranks' step lines.
-
-    Attributes:
-        key: the shared attempt id (or a file-derived key for ledgers without one).
-        t: start time, seconds since the epoch (min over ranks' headers).
-        world_size: ranks in this attempt.
-        resumed_from: the checkpoint step it resumed from (0: a fresh start).
-        steps: rank -> list of (epoch, step, ids as an int64 array [k]).
-        skipped: rank -> the steps that rank recorded as skipped.
-    """
-
-    key: str
-    t: float
-    world_size: int
-    resumed_from: int
-    steps: dict[int, list[tuple[int, int, np.ndarray]]] = field(default_factory=dict)
-    skipped: dict[int, set[int]] = field(default_factory=dict)
-
-
-def read_attempts(ledger_dir: str | Path) -> list[Attempt]:
-    """Every attempt in ``ledger_dir``, ordered by start time.
-
-    A torn last line (a rank SIGKILLed mid-write) is skipped: the step it belonged to
-    never reached a checkpoint either.
-
-    Raises:
-        LedgerError: the directory is missing or has no ledger files, or a header is
-            missing or inconsistent across the ranks of one attempt.
-    """
-    d = Path(ledger_dir)
-    files = sorted(d.glob("attempt-*-rank*.jsonl")) if d.is_dir() else []
-    if not files:
-        raise LedgerError(f"{d}: no attempt-*-rank*.jsonl ledger files; run train(cfg, "
-                          "diagnostics=Diagnostics(ledger_dir=...)) to write them")
-    attempts: dict[str, Attempt] = {}
-    for f in files:
-        lines = f.read_text().splitlines()
-        try:
-            head = json.loads(lines[0]) if lines else {}
-        except json.JSONDecodeError:
-            head = {}
-        if not head.get("header"):
-            raise LedgerError(f"{f}: first line is not a ledger header")
-        # Ledgers written before the shared attempt id existed: one attempt per file
-        # stem minus the rank (only correct for world_size 1).
-        key = str(head.get("attempt") or f.name.rsplit("-rank", 1)[0])
-        a = attempts.get(key)
-        if a is None:
-            a = attempts[key] = Attempt(key, float(head["t"]), int(head["world_size"]),
-                                        int(head["resumed_from"]))
-        elif (a.world_size, a.resumed_from) != (int(head["world_size"]), int(head["resumed_from"])):
-            raise LedgerError(f"{f}: header disagrees with another rank of attempt {key}: "
-                              f"world_size/resumed_from {head['world_size']}/{head['resumed_from']} "
-                              f"vs {a.world_size}/{a.resumed_from}")
-        a.t = min(a.t, float(head["t"]))
-        rows: list[tuple[int, int, np.ndarray]] = []
-        skipped: set[int] = set()
-        for rec in _records(lines[1:]):
-            if "commit" in rec:
-                continue  # per-step ledgers: audit_per_step reads these
-            rows.append((int(rec["epoch"]), int(rec["step"]), np.asarray(rec["ids"], np.int64)))
-            if rec.get("skipped"):
-                skipped.add(int(rec["step"]))
-        a.steps[int(head["rank"])] = rows
-        a.skipped[int(head["rank"])] = skipped
-    return sorted(attempts.values(), key=lambda a: a.t)
-
-
-def _records(lines: Iterable[str]) -> Iterator[dict]:
-    """The JSON records of a ledger file's lines after the header; a torn line (the last
-    write of a killed rank) is skipped."""
-    for ln in lines:
-        try:
-            yield json.loads(ln)
-        except json.JSONDecodeError:
-            continue
+from elastic_ddp.ledger.files import _mode, _records, read_attempts
 
 
 def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable[int],
@@ -216,16 +106,6 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
           and all(a["ranks_equal"] and a["skips_agree"] for a in out_attempts))
     return {"attempts": out_attempts, "epochs": out_epochs,
             "world_sizes": [a.world_size for a in attempts], "ok": ok}
-
-
-def _mode(ledger_dir: str | Path) -> str:
-    for f in sorted(Path(ledger_dir).glob("attempt-*-rank*.jsonl"))[:1]:
-        with open(f) as fh:
-            try:
-                return json.loads(fh.readline()).get("mode", "restart")
-            except json.JSONDecodeError:
-                return "restart"
-    return "restart"
 
 
 def audit_per_step(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable[int]) -> dict:
@@ -324,94 +204,3 @@ def format_audit(report: dict) -> str:
                      f"{e['repeated']:8d}  {e['lost']:4d}  {e['unknown']:7d}  {e.get('skipped', 0):7d}")
     lines.append("OK: every sample once per epoch" if report["ok"] else "NOT OK")
     return "\n".join(lines)
-
-
-def recomputed_after(attempts: list[Attempt], t: float) -> Optional[dict]:
-    """For an event at time ``t`` (seconds since the epoch): the attempt that was running
-    then, the last step it reached, the step the next attempt resumed from, and the
-    steps recomputed (reached - resumed). None when no attempt started before ``t`` or
-    none followed it. ``attempt`` is that attempt's index: two events that find the same
-    one (a restart whose new group failed to start) must count its steps once.
-
-    Exact, unlike the driver's MLflow-based estimate, which only sees steps flushed at
-    ``train.log_every_steps``.
-    """
-    before = [i for i, a in enumerate(attempts) if a.t <= t]
-    if not before or before[-1] + 1 >= len(attempts):
-        return None
-    a, nxt = attempts[before[-1]], attempts[before[-1] + 1]
-    reached = max((s for rows in a.steps.values() for _, s, _ in rows), default=a.resumed_from)
-    return {"attempt": before[-1], "reached_step": reached, "resumed_from": nxt.resumed_from,
-            "steps_recomputed": max(0, reached - nxt.resumed_from)}
-
-
-class LedgerWriter:
-    """Record of the sample ids each rank trained on, one JSON line per step, one file
-    per (attempt, rank); audited by :func:`audit`. Off unless ``train(..., diagnostics=Diagnostics(ledger_dir=...))``
-    is set (costs a JSON line of ids per step).
-
-    The header's ``attempt`` id is drawn by rank 0 and broadcast (one small gloo/NCCL
-    collective per attempt, only when the ledger is on), so the audit can group the
-    ranks of one worker group without trusting clocks.
-    """
-
-    def __init__(self, directory: Optional[str], rank: int, resumed_from: Optional[int], ws: int,
-                 mode: str = "restart"):
-        self._f = None
-        self._pending: Optional[dict] = None
-        if directory:
-            import torch.distributed as dist
-
-            attempt = [uuid.uuid4().hex[:12]]
-            if dist.is_available() and dist.is_initialized() and ws > 1:
-                dist.broadcast_object_list(attempt, src=0)
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            name = f"attempt-{time.time_ns()}-{attempt[0]}-rank{rank}.jsonl"
-            self._f = open(Path(directory) / name, "w")
-            self._f.write(json.dumps({"header": True, "attempt": attempt[0], "rank": rank,
-                                      "world_size": ws, "resumed_from": resumed_from or 0,
-                                      "mode": mode,
-                                      "t": time.time()}) + "\n")
-            self._f.flush()
-
-    @property
-    def enabled(self) -> bool:
-        """Whether this job writes a ledger (``Diagnostics.ledger_dir``)."""
-        return self._f is not None
-
-    def record(self, epoch: int, step: int, ids: np.ndarray, **extra) -> None:
-        """The ids this rank computed for ``step``. With ``extra`` (per-step fault
-        tolerance: ``quorum``, ``n``) the line is written at once, before the step's
-        all-reduce, and ``commit`` adds a commit line; otherwise it is written by
-        ``commit``, with the skip flag."""
-        if not self._f:
-            return
-        rec = {"epoch": epoch, "step": step, "ids": ids.tolist(), **extra}
-        if extra:
-            self._write(rec)
-        else:
-            self._pending = rec
-
-    def commit(self, epoch: int, step: int, skipped: bool = False, **extra) -> None:
-        """``step`` was applied (``skipped``: its update was dropped for a non-finite
-        gradient; its samples were consumed, not learned from)."""
-        if not self._f:
-            return
-        if extra:
-            self._write({"commit": step, "epoch": epoch, "t": time.time(), **extra,
-                         **({"skipped": True} if skipped else {})})
-            return
-        rec = self._pending or {"epoch": epoch, "step": step, "ids": []}
-        rec["t"] = round(time.time(), 3)  # when the step ended: gaps and recovery times
-        if skipped:
-            rec["skipped"] = True
-        self._write(rec)
-        self._pending = None
-
-    def _write(self, rec: dict) -> None:
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
