@@ -312,14 +312,23 @@ class CheckpointManager:
         with local_copy(fs, path) as d:
             check = start_verify(pafs.LocalFileSystem(), d, manifest, share)
             state, error = self.model_optimizer_state(strategy), None
+            # Replicated tensors (ddp, zero1's model): each rank reads its share, then the
+            # shares are broadcast; a world_size-fold read becomes one read and a broadcast.
+            parts = (REPLICATED_PARTS.get(strategy.name, ())
+                     if self.collective and self.world_size > 1 else ())
+            mine = replicated_share(state, parts, self.rank, self.world_size)
             try:
-                dcp_load(state, storage_reader=FileSystemReader(d), no_dist=not self.collective)
+                dcp_load(mine, storage_reader=FileSystemReader(d), no_dist=not self.collective)
+                for part in parts:  # DCP sets non-tensor values in the dicts it was given
+                    state[part].update(mine[part])
             # DCP wraps every rank's error in a CheckpointException (a BaseException).
             except (Exception, CheckpointException) as e:  # noqa: BLE001
                 error = e
             bad = self._all(check.result())
             if bad:
                 return bad, None
+            if parts and not self._all([self.rank] if error is not None else []):
+                broadcast_shares(state, parts, self.world_size)
             try:
                 if error is None:
                     self._set_model_optimizer_state(strategy, state)
@@ -392,34 +401,54 @@ class CheckpointManager:
 REPLICATED_PARTS = {"ddp": ("model", "optim"), "zero1": ("model",)}
 
 
-def replicated_share(state: dict[str, Any], parts, rank: int, world_size: int) -> dict[str, Any]:
-    """``state`` with the plain tensors of its replicated ``parts`` cut to ``rank``'s share,
-    so that each rank stages (copies to host memory) and writes only what it writes anyway.
+def share_owners(state: dict[str, Any], parts, world_size: int) -> dict[tuple[str, str], int]:
+    """The rank that writes (and, at a restore, reads) each plain tensor of the replicated
+    ``parts`` of ``state``: ``{(part, key): rank}``. Tensors by size, largest first (ties
+    by key), each to the rank with the fewest bytes so far (ties to the lowest rank), the
+    greedy "largest first" rule for balancing (Graham 1969, "Bounds on multiprocessing
+    timing anomalies"); the same on every rank, since the replicated tensors' shapes are.
+    DTensors (a rank's shard) and non-tensor values are not in it."""
+    from torch.distributed.tensor import DTensor
 
-    DCP's planner would dedup the replicated tensors at the plan, after ``async_save``
-    has staged the whole state on every rank: a world_size-fold copy for a 1/world_size
-    write. The share: tensors by size, largest first (ties by key), each to the rank with
-    the fewest bytes so far (ties to the lowest rank); the same on every rank, since the
-    replicated tensors' shapes are. Non-tensor values (step counts, learning rates) stay
-    on every rank; DCP dedups them. The checkpoint's metadata is the union of the ranks'
-    plans, so a restore at any world size reads every key. Costs: nothing at a restore."""
     sizes = []
     for part in parts:
         for key, value in state.get(part, {}).items():
-            if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 sizes.append((-value.numel() * value.element_size(), part, key))
     loads = [0] * world_size
-    dropped: dict[str, set] = {part: set() for part in parts}
+    owners = {}
     for neg, part, key in sorted(sizes):
         owner = min(range(world_size), key=lambda r: (loads[r], r))
         loads[owner] -= neg
-        if owner != rank:
-            dropped[part].add(key)
+        owners[(part, key)] = owner
+    return owners
+
+
+def replicated_share(state: dict[str, Any], parts, rank: int, world_size: int) -> dict[str, Any]:
+    """``state`` with the plain tensors of its replicated ``parts`` cut to ``rank``'s share
+    (``share_owners``), so that each rank stages (copies to host memory) and writes only
+    what it writes anyway, and at a restore reads only its share (the rest arrives by
+    broadcast from the rank that read it).
+
+    DCP's planner would dedup the replicated tensors at the plan, after ``async_save``
+    has staged the whole state on every rank: a world_size-fold copy for a 1/world_size
+    write. Non-tensor values (step counts, learning rates) stay on every rank; DCP dedups
+    them. The checkpoint's metadata is the union of the ranks' plans, so a restore at any
+    world size finds every key."""
+    owners = share_owners(state, parts, world_size)
     out = dict(state)
     for part in parts:
         if part in out:
-            out[part] = {k: v for k, v in out[part].items() if k not in dropped[part]}
+            out[part] = {k: v for k, v in out[part].items() if owners.get((part, k), rank) == rank}
     return out
+
+
+def broadcast_shares(state: dict[str, Any], parts, world_size: int) -> None:
+    """After each rank loaded its ``replicated_share`` of ``state`` in place: every other
+    tensor of the replicated ``parts`` from the rank that read it (one broadcast per
+    tensor, in ``share_owners``' order, on the job's process group). Collective."""
+    for (part, key), owner in share_owners(state, parts, world_size).items():
+        dist.broadcast(state[part][key], src=owner)
 
 
 def _misfit(path: str, what: str, e: BaseException) -> CheckpointError:
