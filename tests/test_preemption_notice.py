@@ -102,10 +102,10 @@ RANK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("interval_s", [0.0, 0.5], ids=["every-step", "every-0.5s"])
+@pytest.mark.parametrize("interval_s", [0.0, 1.0], ids=["every-step", "every-1s"])
 def test_two_gloo_ranks_agree_on_one_ranks_sigterm_which_it_survives(tmp_path, interval_s):
     """interval_s 0: an agreement at every boundary, the notice read at the second one
-    after it. 0.5 (the default): agreements ``every`` boundaries apart (``every`` > 1
+    after it. 1.0 (the default): agreements ``every`` boundaries apart (``every`` > 1
     with these ~10 ms steps, the same on both ranks), the notice read within ``every +
     1`` boundaries, at the same boundary on both ranks."""
     script = tmp_path / "rank.py"
@@ -146,13 +146,13 @@ def test_two_gloo_ranks_agree_on_one_ranks_sigterm_which_it_survives(tmp_path, i
           f"the agreement (every {r0['every']} boundaries): {on * 1e3:.2f} ms ({on / off:.1%})")
 
 
-def test_the_agreement_interval_is_the_step_boundaries_in_half_a_second():
+def test_the_agreement_interval_is_the_step_boundaries_in_a_second():
     from elastic_ddp.config import Config
     from elastic_ddp.worker.notice import AGREE_EVERY_S, agreement_every
 
-    assert AGREE_EVERY_S == 0.5 == Config.model_fields["scaling"].default_factory().notice_agreement_s
-    assert [agreement_every(s) for s in (0.0, 0.01, 0.2, 0.26, 0.5, 3.0)] == [1, 50, 2, 1, 1, 1]
-    assert agreement_every(0.01, interval_s=0) == 1 and agreement_every(0.15, 1.0) == 6
+    assert AGREE_EVERY_S == 1.0 == Config.model_fields["scaling"].default_factory().notice_agreement_s
+    assert [agreement_every(s) for s in (0.0, 0.01, 0.2, 0.26, 0.5, 3.0)] == [1, 100, 5, 3, 2, 1]
+    assert agreement_every(0.01, interval_s=0) == 1 and agreement_every(0.2, 0.5) == 2
 
 
 # ------------------------------------------------------- Ray Train's failure policy

@@ -244,7 +244,7 @@ class ScalingConfig(Section):
             "continue and Ray replaces it. false: a notice is handled as a crash."),
     )
     notice_agreement_s: float = Field(
-        0.5, ge=0, description=(
+        1.0, ge=0, description=(
             "restart mode with preemption_checkpoint: seconds of training between two of "
             "the workers' agreements on a notice; a notice is acted on within about this "
             "plus one step (0: an agreement at every step, acted on within two steps)."),

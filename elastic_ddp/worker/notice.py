@@ -20,7 +20,7 @@ each rank, the earliest notice and deadline, the rank's wall time per step in mi
 it concerns), on the job's process group, started at a step boundary and read at the
 next one: it runs while that step computes. One starts every ``every`` boundaries,
 ``every = max(1, floor(interval_s / step_s))`` (:func:`agreement_every`; ``interval_s``:
-``scaling.notice_agreement_s``, 0.5 s by default, :data:`AGREE_EVERY_S`; 0: every step),
+``scaling.notice_agreement_s``, 1 s by default, :data:`AGREE_EVERY_S`; 0: every step),
 ``step_s`` the slowest rank's wall time per step between the two previous starts, carried
 by the agreement itself so that every rank starts the next one at the same boundary (the
 first two agreements are one boundary apart: no step time yet). A notice is therefore
@@ -81,7 +81,7 @@ _NONE = -(2 ** 62)  # "no time" in a MAX over negated milliseconds
 
 #: Seconds of training between the starts of two agreements (``agreement_every``): the
 #: default of ``scaling.notice_agreement_s``.
-AGREE_EVERY_S = 0.5
+AGREE_EVERY_S = 1.0
 
 
 def agreement_every(step_s: float, interval_s: float = AGREE_EVERY_S) -> int:
@@ -195,7 +195,7 @@ class NoticeListener:
         if self._boundary < self._next_start:
             return None
         now = time.perf_counter()
-        if self._started_t is not None:  # the slowest rank's step, seen by every rank
+        if self._started_t is not None:  # this rank's; the MAX is the slowest rank's
             self._step_s = (now - self._started_t) / (self._boundary - self._started_at)
         self._started_t, self._started_at = now, self._boundary
         self.agreements += 1
