@@ -33,9 +33,11 @@ SIGTERM ends it as Ray's handler would), Ray Train's preemption watcher's report
 node drain (``compat.ray_train.local_preemption_info``), and the driver's stop.
 
 Costs (``experiments/bench_overhead.py --preemption`` measures the job with and without
-listening): per agreement, the all-reduce (hidden behind the step that follows it), the
-read of the local sources (a few microseconds), and with NCCL one device sync; between
-agreements, one integer comparison per step boundary.
+listening; ``experiments/bench_listen.py`` times ``agreed()``): per agreement, the read
+of the local sources, the all-reduce, started behind the step that follows it but waited
+for at the read where the step's compute holds every core (gloo on CPUs: about 3 ms on
+2 cores), and with NCCL one device sync; between agreements, one integer comparison per
+step boundary.
 A notice that reaches the ranks less than ``every + 1`` steps plus one checkpoint's
 write before the node goes is too late: the restart resumes from the newest checkpoint, and the
 controller's ``preemption`` event (``fell_back``) says how many steps that recomputed. A
