@@ -31,9 +31,11 @@ jobs), so cmd->1st step does not include MLflow's one-off schema migration.
 Targets: ratio >= 97%, data wait < 2%, elastic cmd->1st step < 15 s.
 
 ``--preemption``: no torchrun; the elastic job with ``scaling.preemption_checkpoint``
-off and on (the per-step agreement on a notice, the SIGTERM handler, Ray Train's
-preemption watcher), alternated ``--repeats`` times in the same run, and the ratio of the
-medians of samples/s (target: on >= 99% of off).
+off and on (the agreement on a notice every ``scaling.notice_agreement_s``, the SIGTERM
+handler, Ray Train's preemption watcher), alternated ``--repeats`` times in the same
+run, and the ratio of the medians of samples/s (target: on >= 99% of off). ``--parts``
+adds the agreement at every step boundary and "on" without Ray Train's watcher
+(``PREEMPTION_MODES``).
 """
 
 from __future__ import annotations
@@ -48,16 +50,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
-def _timed_run(cmd: list[str], what: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run ``cmd`` from the repo root; returns its output and the launch time (epoch s).
-    Raises RuntimeError with the output's tail when it fails."""
+def _timed_run(cmd: list[str], what: str, env: Optional[dict] = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``cmd`` from the repo root (``env``: added to this process's environment);
+    returns its output and the launch time (epoch s). Raises RuntimeError with the
+    output's tail when it fails."""
     t_cmd = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, **env} if env else None)
     if out.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out, t_cmd
@@ -76,7 +81,7 @@ def run_baseline(config: str, ws: int, steps: int, warmup: int, overrides: list[
 
 
 def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[str],
-                tmp: Path) -> dict:
+                tmp: Path, env: Optional[dict] = None) -> dict:
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
@@ -85,7 +90,7 @@ def run_elastic(config: str, ws: int, steps: int, warmup: int, overrides: list[s
             f"run.name={name}", f"run.tracking_uri={uri}", f"run.storage_path={tmp / 'ray'}",
             "run.experiment_name=bench", *overrides]
     cmd = [str(VENV_BIN / "elastic-ddp"), "train", config, "--no-progress", "--json"]
-    out, t_cmd = _timed_run(cmd + [a for o in sets for a in ("--set", o)], "elastic-ddp")
+    out, t_cmd = _timed_run(cmd + [a for o in sets for a in ("--set", o)], "elastic-ddp", env)
     total = time.time() - t_cmd
     summary = json.loads(out.stdout[out.stdout.index("\n{") + 1:] if not out.stdout.startswith("{")
                          else out.stdout)
@@ -139,6 +144,8 @@ def main() -> int:
     ap.add_argument("--preemption", action="store_true",
                     help="compare scaling.preemption_checkpoint on and off instead of torchrun")
     ap.add_argument("--repeats", type=int, default=2, help="--preemption: runs of each, alternated")
+    ap.add_argument("--parts", action="store_true",
+                    help="--preemption: also the agreement at every step, and no preemption watcher")
     args = ap.parse_args()
     if args.preemption:
         return preemption_main(args)
@@ -186,8 +193,22 @@ def main() -> int:
     return 0
 
 
+#: --preemption's modes: (name, environment, overrides). "on" is the product's default;
+#: --parts adds the pieces of it: the agreement at every step boundary
+#: (scaling.notice_agreement_s=0) and no Ray Train preemption watcher (drains unseen).
+PREEMPTION_MODES = {
+    "off": ({}, ["scaling.preemption_checkpoint=false"]),
+    "on": ({}, ["scaling.preemption_checkpoint=true"]),
+    "on, every step": ({}, ["scaling.preemption_checkpoint=true", "scaling.notice_agreement_s=0"]),
+    "on, no watcher": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}, ["scaling.preemption_checkpoint=true"]),
+}
+
+
 def preemption_main(args) -> int:
-    """The job with the notice handling off and on, alternated, at each world size."""
+    """The job with the notice handling off and on (and with --parts its pieces), at
+    each world size; each repeat runs every mode once, the order rotated and reversed
+    from one repeat to the next so that no mode always runs first or after the same one."""
+    names = list(PREEMPTION_MODES) if args.parts else ["off", "on"]
     print(f"load average at start: {os.getloadavg()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-preempt-") as tmp:
@@ -195,27 +216,34 @@ def preemption_main(args) -> int:
 
         MlflowClient(f"sqlite:///{Path(tmp) / 'mlflow.db'}").search_experiments()
         for ws in [int(w) for w in args.world_sizes.split(",")]:
-            got: dict[str, list] = {"off": [], "on": []}
+            got: dict[str, list] = {m: [] for m in names}
             for i in range(args.repeats):
-                for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                    sets = [*args.overrides, f"scaling.preemption_checkpoint={'true' if mode == 'on' else 'false'}"]
-                    e = run_elastic(args.config, ws, args.steps, args.warmup, sets, Path(tmp))
+                r = i // 2 % len(names)
+                order = names[r:] + names[:r]
+                for mode in order if i % 2 == 0 else order[::-1]:
+                    env, sets = PREEMPTION_MODES[mode]
+                    e = run_elastic(args.config, ws, args.steps, args.warmup, [*args.overrides, *sets],
+                                    Path(tmp), env)
                     print(f"[N={ws}] {mode}: {e['samples_per_s']:.1f} samples/s "
-                          f"(in-loop {e['in_loop_samples_per_s']:.1f})", flush=True)
+                          f"(in-loop {e['in_loop_samples_per_s']:.1f}; load {os.getloadavg()[0]:.2f})",
+                          flush=True)
                     got[mode].append(e)
             rows.append((ws, got))
     print(f"load average at end: {os.getloadavg()}")
     print()
     print(f"config {args.config}, steps {args.warmup + 1}..{args.steps} measured, {args.repeats} runs "
-          f"each, alternated (overrides: {args.overrides or 'none'})")
-    hdr = f"{'N':>2} | {'off sps (median)':>16} | {'on sps (median)':>15} | {'on/off':>6} | {'in-loop on/off':>14}"
+          f"of each mode (overrides: {args.overrides or 'none'})")
+    hdr = (f"{'N':>2} | {'mode':<15} | {'samples/s median':>16} | {'min..max':>13} | {'/ off':>6} | "
+           f"{'in-loop median':>14} | {'in-loop / off':>13}")
     print(hdr)
     print("-" * len(hdr))
     for ws, got in rows:
         med = {m: statistics.median(e["samples_per_s"] for e in got[m]) for m in got}
         loop = {m: statistics.median(e["in_loop_samples_per_s"] for e in got[m]) for m in got}
-        print(f"{ws:>2} | {med['off']:>16.1f} | {med['on']:>15.1f} | {med['on'] / med['off']:>6.1%} | "
-              f"{loop['on'] / loop['off']:>14.1%}")
+        for m in names:
+            v = [e["samples_per_s"] for e in got[m]]
+            print(f"{ws:>2} | {m:<15} | {med[m]:>16.1f} | {min(v):>6.1f}..{max(v):<6.1f} | "
+                  f"{med[m] / med['off']:>6.1%} | {loop[m]:>14.1f} | {loop[m] / loop['off']:>13.1%}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([{"world_size": ws, **got} for ws, got in rows], indent=1))
     return 0

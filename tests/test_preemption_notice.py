@@ -56,33 +56,44 @@ RANK = textwrap.dedent("""
     from elastic_ddp import notice
     from elastic_ddp.worker.notice import NoticeListener, install_sigterm_handler
 
-    rank, init = int(sys.argv[1]), sys.argv[2]
+    rank, init, interval_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     install_sigterm_handler()             # this process's main thread, as in a Ray worker
     listener = NoticeListener(SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu")),
-                              install=False)
+                              install=False, interval_s=interval_s)
     a, w = torch.randn(256, 256), torch.randn(256, 256)
 
-    def steps(n, listen):                 # a step: compute, then its gradient all-reduce
+    def step():                           # a step: compute, then its gradient all-reduce
+        for _ in range(8):
+            a @ w
+        dist.all_reduce(w.sum().reshape(1))
+
+    def steps(n, listen):
         out, t = [], time.perf_counter()
         for _ in range(n):
-            for _ in range(8):
-                a @ w
-            dist.all_reduce(w.sum().reshape(1))
+            step()
             if listen:
                 out.append(listener.agreed())
         return out, (time.perf_counter() - t) / n
 
-    _, off = steps(50, False)
-    quiet, on = steps(50, True)           # 50 step boundaries, no notice
+    _, off = steps(60, False)
+    quiet, on = steps(60, True)           # 60 step boundaries, no notice
+    every, started = listener.every, listener.agreements
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)             # noted, not fatal
         time.sleep(0.2)
     dist.barrier()
-    first = listener.agreed()             # sends this boundary's notices
-    seen = listener.agreed()              # the next boundary reads them, on both ranks
-    print("RESULT " + json.dumps({"quiet": [q for q in quiet if q], "first": first, "seen": seen,
+    seen, boundaries = None, 0            # the boundaries until every rank holds it
+    longest = every                       # the longest interval in force meanwhile
+    while seen is None and boundaries < 500:
+        step()
+        seen = listener.agreed()
+        boundaries += 1
+        longest = max(longest, listener.every)
+    print("RESULT " + json.dumps({"quiet": [q for q in quiet if q], "seen": seen, "every": every,
+                                  "longest": longest,
+                                  "started": started, "boundaries": boundaries,
                                   "step_off_s": off, "step_on_s": on}), flush=True)
     dist.barrier()
     if rank == 1:
@@ -91,13 +102,19 @@ RANK = textwrap.dedent("""
 """)
 
 
-def test_two_gloo_ranks_agree_at_the_next_boundary_on_one_ranks_sigterm_which_it_survives(tmp_path):
+@pytest.mark.parametrize("interval_s", [0.0, 1.0], ids=["every-step", "every-1s"])
+def test_two_gloo_ranks_agree_on_one_ranks_sigterm_which_it_survives(tmp_path, interval_s):
+    """interval_s 0: an agreement at every boundary, the notice read at the second one
+    after it. 1.0 (the default): agreements ``every`` boundaries apart (``every`` > 1
+    with these ~10 ms steps, the same on both ranks), the notice read within ``every +
+    1`` boundaries, at the same boundary on both ranks."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     init = f"file://{tmp_path / 'store'}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), init], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), init, str(interval_s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
     import json
 
@@ -107,15 +124,35 @@ def test_two_gloo_ranks_agree_at_the_next_boundary_on_one_ranks_sigterm_which_it
         assert line is not None, (p.returncode, out[-2000:], err[-3000:])
         results.append(json.loads(line[len("RESULT "):]))
     for r in results:
-        assert r["quiet"] == [] and r["first"] is None, r
+        assert r["quiet"] == [], r
+        assert r["seen"] is not None, r
         assert r["seen"]["sources"] == ["sigterm"] and r["seen"]["ranks"] == [1], r
         assert r["seen"]["deadline_t"] is None and abs(r["seen"]["noticed_t"] - time.time()) < 120, r
+    r0, r1 = results
+    same = ("every", "longest", "started", "boundaries")
+    assert [r0[k] for k in same] == [r1[k] for k in same], results
+    if interval_s == 0:
+        assert r0["every"] == 1 and r0["started"] == 60 and r0["boundaries"] == 2, r0
+    else:
+        every = r0["every"]
+        assert every > 1, r0
+        assert r0["started"] < 60 / 2 + 2, r0       # far fewer all-reduces than boundaries
+        assert r0["boundaries"] <= r0["longest"] + 1, r0  # not lost between agreements
     # The first SIGTERM was only noted: rank 1 took part in the agreement after it; the
     # second ended it as the handler before ours would (here: the default, SIGTERM).
     assert procs[0].returncode == 0 and procs[1].returncode == -signal.SIGTERM, [p.returncode for p in procs]
     off, on = (max(r[k] for r in results) for k in ("step_off_s", "step_on_s"))
-    print(f"a step of 8 256x256 matmuls + an all-reduce, 2 gloo ranks: {off * 1e3:.2f} ms; "
-          f"with the agreement: {on * 1e3:.2f} ms ({on / off:.1%})")
+    print(f"a step of 8 256x256 matmuls + an all-reduce, 2 gloo ranks: {off * 1e3:.2f} ms; with "
+          f"the agreement (every {r0['every']} boundaries): {on * 1e3:.2f} ms ({on / off:.1%})")
+
+
+def test_the_agreement_interval_is_the_step_boundaries_in_a_second():
+    from elastic_ddp.config import Config
+    from elastic_ddp.worker.notice import AGREE_EVERY_S, agreement_every
+
+    assert AGREE_EVERY_S == 1.0 == Config.model_fields["scaling"].default_factory().notice_agreement_s
+    assert [agreement_every(s) for s in (0.0, 0.01, 0.2, 0.26, 0.5, 3.0)] == [1, 100, 5, 3, 2, 1]
+    assert agreement_every(0.01, interval_s=0) == 1 and agreement_every(0.2, 0.5) == 2
 
 
 # ------------------------------------------------------- Ray Train's failure policy

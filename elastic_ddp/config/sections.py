@@ -237,11 +237,17 @@ class ScalingConfig(Section):
     preemption_checkpoint: bool = Field(
         True, description=(
             "Ray 2.60. restart mode: on a notice (node drain, a worker's or the driver's "
-            "SIGTERM) every rank learns it at the next step boundary (one small all-reduce "
-            "per step), commits a checkpoint there and the job restarts from it (the "
-            "driver's: stops, exit 143). per_step mode: the replica on a drained node or "
+            "SIGTERM) every rank learns it at a step boundary (one small all-reduce every "
+            "notice_agreement_s of training), commits a checkpoint there and the job "
+            "restarts from it (the driver's: stops, exit 143). per_step mode: the replica on a drained node or "
             "with a SIGTERM leaves its quorum at the next step boundary, the others "
             "continue and Ray replaces it. false: a notice is handled as a crash."),
+    )
+    notice_agreement_s: float = Field(
+        1.0, ge=0, description=(
+            "restart mode with preemption_checkpoint: seconds of training between two of "
+            "the workers' agreements on a notice; a notice is acted on within about this "
+            "plus one step (0: an agreement at every step, acted on within two steps)."),
     )
     fault_tolerance: Literal["restart", "per_step"] = Field(
         "restart", description=(

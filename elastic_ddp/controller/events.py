@@ -219,7 +219,8 @@ class ElasticEvents(UserCallback):
         # The death as the GCS saw it: the kill itself came a little earlier.
         lead = f", dead {to_death:.1f} s after it" if to_death is not None else ""
         text = (f"{source} notice on rank(s) {sorted(killed)} (nodes {', '.join(nodes) or '?'}){lead}: "
-                f"too little notice for a checkpoint at it (one step plus one checkpoint write); "
+                f"too little notice for a checkpoint at it (about scaling.notice_agreement_s plus "
+                f"one step plus one checkpoint write); "
                 f"resuming from the newest checkpoint, step {stored}")
         out: Dict[str, Any] = {
             "source": source, "fell_back": True, "noticed_t": noticed_t, "notice_lead_s": None,

@@ -1,5 +1,6 @@
 """A notice of a coming stop, on the workers. ``restart`` mode (:class:`NoticeListener`):
-every rank learns it at the next step boundary, a checkpoint is committed there, and
+every rank learns it at a step boundary at most about ``interval_s`` plus one step after
+it (below), a checkpoint is committed there, and
 every rank raises ``notice.Preempted`` (``elastic_ddp.notice``: the kinds and what the
 controller does). ``per_step`` mode (:class:`ReplicaLeave`): the noticed replica takes
 part in one more step, leaves its quorum after it and raises it alone.
@@ -14,19 +15,31 @@ part in one more step, leaves its quorum after it and raises it alone.
     if leave.held(): ...               # this step is the replica's last
     leave.check(step)                  # at the boundary after it: raises notice.Preempted
 
-One agreement per step: an all-reduce (MAX) of ``5 + world_size`` int64 numbers (the
-kinds noted on each rank, the earliest notice and deadline, which ranks it concerns), on
-the job's process group, started at a step boundary and read at the next one: it runs
-while the step computes, so a notice is acted on at the second boundary after it. Sources on a rank: its own SIGTERM (a handler in the worker's main
-thread that only notes it, so the process lives until the checkpoint is committed; a
-second SIGTERM ends it as Ray's handler would), Ray Train's preemption watcher's report
-of a node drain (``compat.ray_train.local_preemption_info``), and the driver's stop.
+Agreements: an all-reduce (MAX) of ``6 + world_size`` int64 numbers (the kinds noted on
+each rank, the earliest notice and deadline, the rank's wall time per step in microseconds, which ranks
+it concerns), on the job's process group, started at a step boundary and read at the
+next one: it runs while that step computes. One starts every ``every`` boundaries,
+``every = max(1, floor(interval_s / step_s))`` (:func:`agreement_every`; ``interval_s``:
+``scaling.notice_agreement_s``, 1 s by default, :data:`AGREE_EVERY_S`; 0: every step),
+``step_s`` the slowest rank's wall time per step between the two previous starts, carried
+by the agreement itself so that every rank starts the next one at the same boundary (the
+first two agreements are one boundary apart: no step time yet). A notice is therefore
+acted on (the checkpoint begins) at most ``every + 1`` boundaries after it reaches a rank:
+at most ``max(interval_s, step_s) + step_s`` of wall time, plus a change of step time
+since the last start (a step 10 times slower stretches the interval 10 times, until the
+next start). Sources on a rank: its own SIGTERM (a handler in the worker's main thread
+that only notes it, so the process lives until the checkpoint is committed; a second
+SIGTERM ends it as Ray's handler would), Ray Train's preemption watcher's report of a
+node drain (``compat.ray_train.local_preemption_info``), and the driver's stop.
 
-Costs: that all-reduce, hidden behind the step (``experiments/bench_overhead.py
---preemption`` measures the job with and without it), and with NCCL one device sync per
-step.
-A notice that reaches the ranks less than one step plus one checkpoint's write before the
-node goes is too late: the restart resumes from the newest checkpoint, and the
+Costs (``experiments/bench_overhead.py --preemption`` measures the job with and without
+listening; ``experiments/bench_listen.py`` times ``agreed()``): per agreement, the read
+of the local sources, the all-reduce, started behind the step that follows it but waited
+for at the read where the step's compute holds every core (gloo on CPUs: about 3 ms on
+2 cores), and with NCCL one device sync; between agreements, one integer comparison per
+step boundary.
+A notice that reaches the ranks less than ``every + 1`` steps plus one checkpoint's
+write before the node goes is too late: the restart resumes from the newest checkpoint, and the
 controller's ``preemption`` event (``fell_back``) says how many steps that recomputed. A
 SIGTERM is also written into the rank's position record at once, so that the controller
 knows a rank killed before the checkpoint had been given notice.
@@ -68,6 +81,19 @@ from elastic_ddp.notice import SOURCES, Preempted
 
 _NONE = -(2 ** 62)  # "no time" in a MAX over negated milliseconds
 
+#: Seconds of training between the starts of two agreements (``agreement_every``): the
+#: default of ``scaling.notice_agreement_s``.
+AGREE_EVERY_S = 1.0
+
+
+def agreement_every(step_s: float, interval_s: float = AGREE_EVERY_S) -> int:
+    """Step boundaries from one agreement's start to the next: ``max(1, floor(interval_s
+    / step_s))``, ``step_s`` the slowest rank's wall time per step since the last start
+    (seconds; 0: not measured yet, one boundary)."""
+    if step_s <= 0 or interval_s <= 0:
+        return 1
+    return max(1, int(interval_s / step_s))
+
 
 def build(trainer) -> Optional["NoticeListener"]:
     """The listener of ``trainer``'s job, or None where notices are handled as crashes
@@ -77,7 +103,7 @@ def build(trainer) -> Optional["NoticeListener"]:
     if not (getattr(trainer.job, "preemption", False) and cfg.scaling.preemption_checkpoint
             and cfg.scaling.fault_tolerance == "restart"):
         return None
-    return NoticeListener(trainer)
+    return NoticeListener(trainer, interval_s=cfg.scaling.notice_agreement_s)
 
 
 #: This process's rank position record (``positions.Position``, set by the listener): a
@@ -110,15 +136,24 @@ def install_sigterm_handler() -> None:
 class NoticeListener:
     """See the module docstring. ``trainer``: the rank's ``Trainer`` (its rank, world
     size, device, progress and ``checkpoint``). ``install``: put the SIGTERM handler in
-    the Ray Train worker's main thread (False: the caller installs it, outside Ray)."""
+    the Ray Train worker's main thread (False: the caller installs it, outside Ray).
+    ``interval_s``: the wall time the agreements are spread over (default
+    :data:`AGREE_EVERY_S`; 0: one agreement per step boundary)."""
 
-    def __init__(self, trainer, install: bool = True):
+    def __init__(self, trainer, install: bool = True, interval_s: Optional[float] = None):
         self.t = trainer
         self.rank, self.world_size = trainer.rank, trainer.world_size
         # NCCL reduces device tensors only; gloo host ones.
         self.device = trainer.device if (dist.is_initialized() and dist.get_backend() == "nccl") \
             else torch.device("cpu")
         self.drain_seen: Optional[float] = None
+        self.interval_s = AGREE_EVERY_S if interval_s is None else interval_s
+        self.every = 1  # boundaries from one agreement's start to the next (agreed)
+        self.agreements = 0  # agreements started
+        self._boundary = 0  # boundaries seen (agreed() calls): the same count on every rank
+        self._next_start = 1
+        self._started_at, self._started_t = 0, None  # the last start: boundary, perf_counter
+        self._step_s: Optional[float] = None  # this rank's wall time per boundary since then
         global _position
         _position = getattr(trainer, "position", None)
         if install:
@@ -145,47 +180,65 @@ class NoticeListener:
         return held, deadline, ranks
 
     def agreed(self) -> Optional[dict]:
-        """At a step boundary, on every rank (a collective): the notice some rank held at
-        the previous boundary (the same dict on every rank), or None. ``{"sources":
-        [kinds], "noticed_t": s, "deadline_t": s or None, "ranks": [the ranks it
-        concerns]}``. The all-reduce of this boundary runs in the background during the
-        next step (``async_op``), so a boundary waits only for the one before: a notice
-        is acted on one step after the boundary it reaches."""
-        out = self._finish()
+        """At a step boundary, on every rank (a collective on some boundaries): the notice
+        some rank held when the last agreement started (the same dict on every rank), or
+        None. ``{"sources": [kinds], "noticed_t": s, "deadline_t": s or None, "ranks":
+        [the ranks it concerns]}``.
+
+        An agreement starts every ``every`` boundaries (the module docstring: ``every``
+        is agreed by the ranks) and is read at the boundary after its start: its
+        all-reduce (``async_op``) runs during that one step. Other boundaries cost one
+        integer comparison."""
+        self._boundary += 1
+        if self._pending is not None:
+            out = self._finish()
+            if out is not None:
+                return out
+        if self._boundary < self._next_start:
+            return None
+        now = time.perf_counter()
+        if self._started_t is not None:  # this rank's; the MAX is the slowest rank's
+            self._step_s = (now - self._started_t) / (self._boundary - self._started_at)
+        self._started_t, self._started_at = now, self._boundary
+        self.agreements += 1
         held, deadline, ranks = self._local()
         k = len(SOURCES)
-        vec = [0] * (k + 2 + self.world_size)
+        vec = [0] * (k + 3 + self.world_size)
         for i, s in enumerate(SOURCES):
             vec[i] = 1 if s in held else 0
         vec[k] = -int(min(held.values()) * 1000) if held else _NONE
         vec[k + 1] = -int(deadline * 1000) if deadline else _NONE
+        vec[k + 2] = int(self._step_s * 1e6) if self._step_s is not None else 0
         for r in ranks:
-            vec[k + 2 + r] = 1
+            vec[k + 3 + r] = 1
         box = torch.tensor(vec, dtype=torch.int64, device=self.device)
-        if self.world_size > 1:
-            self._pending = (dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True), box)
-            return out
-        self._pending = (None, box)  # one rank: its own notice, at once
-        return self._finish()
+        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True) if self.world_size > 1 else None
+        self._pending = (work, box)
+        if work is None:  # one rank: its own notice, at once
+            return self._finish()
+        return None
 
     _pending = None
 
     def _finish(self) -> Optional[dict]:
-        """Wait for the agreement in flight and read it (None: none, or no notice)."""
+        """Wait for the agreement in flight and read it (None: none, or no notice); sets
+        the boundary at which the next one starts."""
         if self._pending is None:
             return None
         work, box = self._pending
         self._pending = None
         if work is not None:
             work.wait()
-        vec = box.tolist()
+        vec = box.tolist()  # with NCCL: the one device sync of an agreement
         k = len(SOURCES)
+        self.every = agreement_every(vec[k + 2] / 1e6, self.interval_s)
+        self._next_start = self._started_at + self.every
         if not any(vec[:k]):
             return None
         return {"sources": [s for i, s in enumerate(SOURCES) if vec[i]],
                 "noticed_t": -vec[k] / 1000.0,
                 "deadline_t": -vec[k + 1] / 1000.0 if vec[k + 1] != _NONE else None,
-                "ranks": [r for r in range(self.world_size) if vec[k + 2 + r]]}
+                "ranks": [r for r in range(self.world_size) if vec[k + 3 + r]]}
 
     def checkpoint_and_stop(self, agreed: dict) -> None:
         """Commit the checkpoint of the current step (synchronously: an asynchronous one
@@ -194,7 +247,7 @@ class NoticeListener:
         Raises:
             Preempted: always, once the checkpoint is committed on every rank."""
         t = self.t
-        self._finish()  # the next boundary's agreement, already sent by every rank
+        self._finish()  # none in flight once a notice is read (agreed() starts none then)
         step = t.progress.step
         # The driver's stop wins (the job ends), then a drain (its deadline is known).
         source = next(s for s in ("stop", "drain", "sigterm") if s in agreed["sources"])
