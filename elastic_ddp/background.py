@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import signal
 import threading
+
+
+def start_deferring_signals(thread: threading.Thread) -> None:
+    """``thread.start()`` with SIGINT and SIGTERM held back until it returns (main thread,
+    POSIX). A handler that raises (Ctrl-C's KeyboardInterrupt, the CLI's early SIGTERM)
+    inside ``Thread.start`` makes CPython 3.11 drop the thread from its start-up table
+    while the thread still runs, which then prints a ``KeyError`` traceback from it. A
+    signal held back is delivered when the mask is restored, once ``start`` is done; the
+    new thread keeps the mask, so process signals go to threads that take them."""
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "pthread_sigmask"):
+        thread.start()
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class Background:
@@ -23,7 +42,7 @@ class Background:
                 self._done.set()
 
         self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
+        start_deferring_signals(self._thread)
 
     def result(self):
         # An Event, not Thread.join: a Ctrl-C that interrupts join() marks the thread
