@@ -33,13 +33,17 @@ class Noisy(Task):
 
     def transform(self, batch, ctx):
         noise = np.array([int(g.integers(0, 1000)) for g in ctx.rngs()], dtype=np.int64)
-        return {"x": batch["x"] * 1000 + noise, "f": batch["x"].astype(np.float32) / 7}
+        ragged = np.empty(len(noise), dtype=object)  # an object column: pickled, not shared
+        for i, v in enumerate(noise):
+            ragged[i] = np.arange(v % 5, dtype=np.int32)
+        return {"x": batch["x"] * 1000 + noise, "f": batch["x"].astype(np.float32) / 7, "r": ragged}
 
     def loss(self, model, batch):  # pragma: no cover - never trained here
         raise NotImplementedError
 
 
-T = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64), "f": np.zeros(0, np.float32)}
+T = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64), "f": np.zeros(0, np.float32),
+     "r": np.zeros(0, object)}
 
 
 def _data(tmp: Path, n=N, files=3, rg=8) -> Path:
@@ -72,8 +76,12 @@ def _same(a: list[list[dict]], b: list[list[dict]]) -> None:
         for r, (x, y) in enumerate(zip(sa, sb)):
             assert sorted(x) == sorted(y), (k, r)
             for col in x:
-                assert x[col].dtype == y[col].dtype, (k, r, col)
-                assert np.array_equal(x[col], y[col]), (k, r, col)
+                assert x[col].dtype == y[col].dtype and len(x[col]) == len(y[col]), (k, r, col)
+                if x[col].dtype == object:
+                    assert all(np.array_equal(u, v) and u.dtype == v.dtype
+                               for u, v in zip(x[col], y[col])), (k, r, col)
+                else:
+                    assert np.array_equal(x[col], y[col]), (k, r, col)
 
 
 CASES = [("windowed", {"shuffle_window_rows": 48, "partitions": 4}),
