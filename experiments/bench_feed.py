@@ -395,12 +395,12 @@ def table(workload: str, results: dict, procs: int) -> str:
     data-path process, and its ratio to the fastest median."""
     med = {k: statistics.median(r["rows_per_s"] for r in rs) for k, rs in results.items()}
     best = max(med.values())
-    lines = [f"{workload}: {'loader':<12} {'procs':>5} {'rows/s':>8} {'rows/s/proc':>11} "
+    lines = [f"{workload}: {'loader':<16} {'procs':>5} {'rows/s':>8} {'rows/s/proc':>11} "
              f"{'of best':>8} {'first_s':>8}  rounds (rows/s)"]
     for k, rs in results.items():
         runs = " ".join(f"{r['rows_per_s']:.0f}" for r in rs)
         first = statistics.median(r["first_s"] for r in rs)
-        lines.append(f"{'':<{len(workload) + 2}}{k:<12} {procs:>5} {med[k]:>8.1f} {med[k] / procs:>11.1f} "
+        lines.append(f"{'':<{len(workload) + 2}}{k:<16} {procs:>5} {med[k]:>8.1f} {med[k] / procs:>11.1f} "
                      f"{med[k] / best:>8.1%} {first:>8.1f}  {runs}")
     return "\n".join(lines)
 
