@@ -30,9 +30,12 @@ Loaders, each given ``--procs`` processes for the data path on one local Ray clu
 
 * ``elastic``: ``elastic_ddp.train``, 1 worker, global batch ``--batch``, a model of one
   weight (the step is a mean over the batch), no validation split (the others have none);
-  its per-rank Ray Data pipeline runs ``READ_TASKS`` (2) read+transform tasks at a time,
-  so ``--procs`` must be 2 for a like budget. Step end times come from the sample ledger,
-  whose audit says whether every row was used exactly once per epoch.
+  ``data.reader`` at its default (``dataloader``: ``READ_TASKS`` (2) DataLoader worker
+  processes read and transform the rank's windows), so ``--procs`` must be 2 for a like
+  budget. Step end times come from the sample ledger, whose audit says whether every row
+  was used exactly once per epoch. ``elastic_ray_data`` (only when named in ``--only``):
+  the same with ``data.reader: ray_data`` (a Ray Data pipeline per rank, ``READ_TASKS``
+  read+transform tasks at a time).
 * ``ray_data``: ``read_parquet`` (one block per row group) ``-> map_batches(transform,
   concurrency=procs)`` and
   ``iter_torch_batches(collate_fn=collate)`` in this process (no exactness: no resume, no
@@ -67,6 +70,9 @@ import numpy as np
 SIZE, CROP = 256, 224
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 LOADERS = ("elastic", "ray_data", "dataloader")
+# data.reader of the elastic loaders: "elastic" is the default (auto); "elastic_ray_data"
+# (only with --only) the Ray Data path.
+ELASTIC = {"elastic": "auto", "elastic_ray_data": "ray_data"}
 # The column of a collated batch whose length is the batch's rows.
 COUNT = {"images": "image", "tokens": "lens"}
 TASK_CLASS = {"images": "Feed", "tokens": "Tokens"}
@@ -272,7 +278,7 @@ def _steady(marks: list[tuple[float, int, int]]) -> dict:
 
 
 def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: int,
-                epochs: int) -> dict:
+                epochs: int, reader: str = "auto") -> dict:
     from elastic_ddp import Diagnostics, train
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
@@ -280,7 +286,8 @@ def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: in
 
     run = tmp / f"elastic-{time.time_ns()}"
     cfg = Config.from_dict({
-        "seed": 0, "data": {"train_path": str(data / "train"), "id_column": "sample_id"},
+        "seed": 0, "data": {"train_path": str(data / "train"), "id_column": "sample_id",
+                              "reader": reader},
         "task": {"path": f"{task_path}:{TASK_CLASS[workload]}", "kwargs": task_kwargs(workload, data)},
         "optim": {"name": "sgd", "lr": 0.001, "warmup_steps": 0},
         "batch": {"global_batch_size": batch, "micro_batch_size": batch},
@@ -388,12 +395,12 @@ def table(workload: str, results: dict, procs: int) -> str:
     data-path process, and its ratio to the fastest median."""
     med = {k: statistics.median(r["rows_per_s"] for r in rs) for k, rs in results.items()}
     best = max(med.values())
-    lines = [f"{workload}: {'loader':<12} {'procs':>5} {'rows/s':>8} {'rows/s/proc':>11} "
+    lines = [f"{workload}: {'loader':<16} {'procs':>5} {'rows/s':>8} {'rows/s/proc':>11} "
              f"{'of best':>8} {'first_s':>8}  rounds (rows/s)"]
     for k, rs in results.items():
         runs = " ".join(f"{r['rows_per_s']:.0f}" for r in rs)
         first = statistics.median(r["first_s"] for r in rs)
-        lines.append(f"{'':<{len(workload) + 2}}{k:<12} {procs:>5} {med[k]:>8.1f} {med[k] / procs:>11.1f} "
+        lines.append(f"{'':<{len(workload) + 2}}{k:<16} {procs:>5} {med[k]:>8.1f} {med[k] / procs:>11.1f} "
                      f"{med[k] / best:>8.1%} {first:>8.1f}  {runs}")
     return "\n".join(lines)
 
@@ -440,8 +447,8 @@ def main(argv=None) -> int:
                 batch = a.batch if w == "images" else a.token_batch
                 for name in results[w]:
                     t = time.perf_counter()
-                    if name == "elastic":
-                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs)
+                    if name in ELASTIC:
+                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs, ELASTIC[name])
                     elif name == "ray_data":
                         r = run_ray_data(data[w], task, w, a.procs, batch, a.epochs)
                     else:

@@ -374,7 +374,8 @@ def test_a_small_first_round_is_read_here_and_the_next_round_waits_for_the_first
     g = 24
 
     def reader(**kw):
-        return open_train_reader(info, Echo(), cfg, 1, 2, 1, 0, g, local=True, template=T, **kw)[1]
+        return open_train_reader(info, Echo(), cfg, 1, 2, 1, 0, g, local=True, template=T,
+                                 reader="ray_data", **kw)[1]
 
     fast, ref = reader(local_first_bytes=2**30), reader()
     assert fast._local_first and not ref._local_first

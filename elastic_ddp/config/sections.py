@@ -88,6 +88,16 @@ class DataConfig(Section):
             "read and transformed ahead of training. Without a cap Ray Data reads ahead until "
             "its object store budget is full (GBs, spilled to disk), on the training cores."),
     )
+    reader: Literal["auto", "dataloader", "ray_data"] = Field(
+        "auto", description=(
+            "Who reads and transforms a rank's training rows (the rows, their order and a "
+            "resume are the same either way). dataloader: 2 torch DataLoader worker "
+            "processes forked from the trainer, on its node (what they hold ahead is "
+            "bounded in chunks of ~8 MiB of Parquet, not by read_ahead_mib). ray_data: a "
+            "Ray Data pipeline per rank and round (read and transform tasks, at most "
+            "read_ahead_mib ahead in the object store). auto: dataloader, the faster on "
+            "the trainer's node (docs/benchmarks.md)."),
+    )
     on_change: Literal["refuse", "restart_epoch"] = Field(
         "refuse", description=(
             "A resume whose checkpoint was written on other data (rows added, removed or "

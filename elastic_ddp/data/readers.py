@@ -9,7 +9,9 @@
 - :class:`PermutationReader` (permutation order, small data sets): streams every row group
   and keeps the rows of this rank's share of the rest of the epoch.
 
-Both read through :func:`elastic_ddp.data.ingest.pipeline` (Ray Data, or in-process).
+Both read through :func:`elastic_ddp.data.ingest.pipeline` or, windowed with
+``data.reader`` ``dataloader``, an :class:`elastic_ddp.data.ingest.WindowStream` (the same
+read and transform functions, in DataLoader worker processes on the trainer's node).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Optional
 import numpy as np
 
 from elastic_ddp.background import Background
-from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, concat_rows, epoch_order, pipeline, take_rows,
-                                     window_bytes)
+from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, WindowStream, concat_rows, epoch_order, pipeline,
+                                     take_rows, window_bytes)
 from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
 from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.tasks.protocol import Task
@@ -41,15 +43,21 @@ class WindowedReader:
     on. What it costs: one generation of the lost partitions' windows read and
     transformed by the trainer's process, without Ray Data's parallelism.
 
-    ``local_first_bytes``: the first round is also read in this process when its row
-    groups hold at most this many Parquet bytes (``LOCAL_FIRST_ROUND_BYTES`` from the
-    trainer; 0: never), unless ``prefetch`` starts it in the background."""
+    ``local_first_bytes``: with ``reader="ray_data"``, the first round is also read in
+    this process when its row groups hold at most this many Parquet bytes
+    (``LOCAL_FIRST_ROUND_BYTES`` from the trainer; 0: never), unless ``prefetch`` starts
+    it in the background.
+
+    ``reader``: ``"ray_data"`` (each round one Ray Data pipeline) or ``"dataloader"``
+    (the rounds taken in turn from one :class:`WindowStream` over the windows from the
+    first round not read in this process: its workers read on across round boundaries);
+    the rows and their order are the same."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, local: bool = False,
                  read_ahead_bytes: float = READ_AHEAD_BYTES,
                  held: Optional[dict[tuple[int, int], dict[str, np.ndarray]]] = None,
-                 local_first_bytes: float = 0.0):
+                 local_first_bytes: float = 0.0, reader: str = "ray_data"):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.windows = order.rank_windows(rank, world_size, cursor)
         self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
@@ -72,8 +80,13 @@ class WindowedReader:
         self._rounds = [i for i in range(1, len(todo)) if todo[i][0] != todo[i - 1][0]] + [len(todo)]
         self.bytes_read = window_bytes(info, self._todo)
         self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
+        # A small first round is read here only for Ray Data (whose first execution in a
+        # fresh process starts its workers); DataLoader workers are forked in milliseconds.
         self._local_first = held is not None or (
-            bool(todo) and window_bytes(info, self._todo[:self._rounds[0]]) <= local_first_bytes)
+            reader == "ray_data" and bool(todo)
+            and window_bytes(info, self._todo[:self._rounds[0]]) <= local_first_bytes)
+        self._reader = reader
+        self._stream: Optional[tuple[int, WindowStream]] = None  # (first window, stream)
         # Windows are read a round at a time, the next round in a background thread while
         # this one is used. Ray Data's executor then runs only while a round is read: a
         # live executor polls in a loop (GIL and CPU taken from training) for as long as
@@ -99,6 +112,20 @@ class WindowedReader:
         b = self._read_at = next(r for r in self._rounds if r > a)
         info, task, seed, epoch, local, ahead = self._source
         local = local or (a == 0 and self._local_first)
+
+        if self._reader == "dataloader" and not local:
+            if self._stream is None:
+                self._stream = (a, WindowStream(info, task, self._todo[a:],
+                                                [r - a for r in self._rounds if r > a], seed, epoch, "train"))
+            base, stream = self._stream
+
+            def read() -> list[dict[str, np.ndarray]]:
+                out = stream.round(a - base, b - base)
+                for batch in out:
+                    batch[SEQ] = batch[SEQ] + base
+                return out
+
+            return Background(read, name="elastic-ddp-read")
 
         def read() -> list[dict[str, np.ndarray]]:
             out = []
@@ -207,7 +234,8 @@ class PermutationReader:
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, global_batch_size: int,
-                 rows_per_rank: Optional[list[int]] = None, local: bool = False):
+                 rows_per_rank: Optional[list[int]] = None, local: bool = False,
+                 reader: str = "ray_data"):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.g, self.rows_per_rank = global_batch_size, rows_per_rank
         mine = [self._positions(c) for c in range(cursor, order.num_rows, global_batch_size)]
@@ -218,7 +246,7 @@ class PermutationReader:
         self.bytes_read = window_bytes(info, windows)
         self._starts = np.cumsum([0] + [g.num_rows for g in info.row_groups])
         self._windows = windows
-        self._source = (info, task, local)
+        self._source = (info, task, local, reader)
         self._rows: Optional[np.ndarray] = None
         self._data: dict[str, np.ndarray] = {}
         self.template: Optional[dict] = None
@@ -230,10 +258,11 @@ class PermutationReader:
         return np.arange(start, start + rows[self.rank], dtype=np.int64)
 
     def _load(self) -> None:
-        info, task, local = self._source
+        info, task, local, reader = self._source
         kept_rows, kept = [], []
         seen: dict[int, int] = {}
-        for batch in pipeline(info, task, self._windows, self.order.seed, self.order.epoch, "train", local):
+        for batch in pipeline(info, task, self._windows, self.order.seed, self.order.epoch, "train", local,
+                              reader=reader):
             seq = batch.pop(SEQ)
             if self.template is None:
                 self.template = {k: v[:0] for k, v in batch.items()}
@@ -267,19 +296,26 @@ def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size:
                       epoch: int, cursor: int, global_batch_size: int,
                       rows_per_rank: Optional[list[int]] = None, local: bool = False,
                       template: Optional[dict] = None, held: Optional[dict] = None,
-                      local_first_bytes: float = 0.0):
+                      local_first_bytes: float = 0.0, reader: Optional[str] = None):
     """The order of ``epoch`` and this rank's reader from ``cursor`` (see the module
     docstring). ``template``: a transformed row (shapes of an empty share); ``local``:
     read in this process, without Ray (tests); ``held``: windows of another view's
     reader of this epoch (``WindowedReader.held_windows``, windowed order only);
-    ``local_first_bytes``: see ``WindowedReader``."""
+    ``local_first_bytes``: see ``WindowedReader``; ``reader``: ``"ray_data"`` or
+    ``"dataloader"`` (default: :func:`reader_kind` of ``cfg``)."""
     order = epoch_order(info, cfg, epoch)
+    reader = reader or reader_kind(cfg)
     if order.mode == "permutation":
-        reader = PermutationReader(info, task, order, rank, world_size, cursor,
-                                   global_batch_size, rows_per_rank, local)
+        rd = PermutationReader(info, task, order, rank, world_size, cursor,
+                               global_batch_size, rows_per_rank, local, reader)
     else:
-        reader = WindowedReader(info, task, order, rank, world_size, cursor, local,
-                                cfg.data.read_ahead_mib * 2**20, held, local_first_bytes)
+        rd = WindowedReader(info, task, order, rank, world_size, cursor, local,
+                            cfg.data.read_ahead_mib * 2**20, held, local_first_bytes, reader)
     if template is not None:
-        reader.template = {k: v[:0] for k, v in template.items()}
-    return order, reader
+        rd.template = {k: v[:0] for k, v in template.items()}
+    return order, rd
+
+
+def reader_kind(cfg) -> str:
+    """``data.reader`` resolved: ``auto`` is ``dataloader``."""
+    return "dataloader" if cfg.data.reader == "auto" else cfg.data.reader

@@ -32,12 +32,13 @@ def data_wait_message(frac: float, first_step: int, last_step: int, threshold: f
     return (f"the training step waits for its data: data_wait is {frac:.0%} of step time "
             f"(median of the last {window} logged windows, logged at steps {first_step}-{last_step}; "
             f"the threshold is {threshold:.0%}), so the accelerator idles while the data path "
-            "catches up. Fixes: give the data path more CPUs (Ray Data's read and transform "
-            "tasks share the training workers' nodes: a node with more cores per worker, or "
-            "fewer workers per node); let each rank read further ahead with data.read_ahead_mib "
-            "and cut row groups into smaller, parallel transform tasks with data.block_rows; "
-            "add a CPU-only node to the cluster (Ray Data tasks can run on any node); or make "
-            "Task.transform cheaper (vectorised decoding, work moved to collate or the model).")
+            "catches up. Fixes: give the data path more CPUs (its read and transform "
+            "processes, data.reader, share the training workers' nodes: a node with more cores "
+            "per worker, or fewer workers per node); with data.reader: ray_data, let each rank "
+            "read further ahead with data.read_ahead_mib; cut row groups into smaller, parallel "
+            "transform items with data.block_rows; add a CPU-only node to the cluster "
+            "(data.reader: ray_data, whose tasks can run on any node); or make Task.transform "
+            "cheaper (vectorised decoding, work moved to collate or the model).")
 
 
 class DataWaitWatch:
