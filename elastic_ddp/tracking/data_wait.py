@@ -36,8 +36,7 @@ def data_wait_message(frac: float, first_step: int, last_step: int, threshold: f
             "processes, data.reader, share the training workers' nodes: a node with more cores "
             "per worker, or fewer workers per node); with data.reader: ray_data, let each rank "
             "read further ahead with data.read_ahead_mib; cut row groups into smaller, parallel "
-            "transform items with data.block_rows; add a CPU-only node to the cluster "
-            "(data.reader: ray_data, whose tasks can run on any node); or make Task.transform "
+            "transform items with data.block_rows; or make Task.transform "
             "cheaper (vectorised decoding, work moved to collate or the model).")
 
 
