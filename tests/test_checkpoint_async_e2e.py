@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
 
 
 def test_a_kill_during_the_background_write_resumes_from_the_previous_checkpoint(
-        ray_cluster, digits_data, tmp_path):
+        ray_cluster, digits_data, tmp_path, mlflow_store):
     from elastic_ddp.checkpoint import MANIFEST
     from elastic_ddp.data.scan import read_sample_ids
 
@@ -37,7 +37,9 @@ def test_a_kill_during_the_background_write_resumes_from_the_previous_checkpoint
     print(format_audit(report))
     assert report["ok"] and report["epochs"][0]["steps"] == 23
     assert [a["resumed_from"] for a in report["attempts"]] == [0, 10]
-    ev = [e for e in s.events if e["type"] == "failure"][0]
+    (ev,) = [e for e in s.events if e["type"] == "failure"]
+    # The restart is for the rank's death inside the write, not an error of the write.
+    assert ev["cause_rank"] == 1 and ev["cause_kind"] == "died" and ev["signal"] == "SIGKILL", ev
     assert ev["resumed_at_step"] == 10, ev
     assert ev["resumed_from_checkpoint"].endswith("async-kill/checkpoint_step00000010"), ev
     assert s.restarts == 1 and s.steps == 23

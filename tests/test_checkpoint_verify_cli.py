@@ -1,10 +1,15 @@
 """A damaged checkpoint met as a user meets it, through the CLI on a real local Ray
 cluster: a zeroed file (same size) and a truncated file in the two newest checkpoints ->
 the rerun resumes from the one before, and its summary names each bad file and
-checkpoint; with no checkpoint left that verifies, the rerun exits 2 naming them."""
+checkpoint; with no checkpoint left that verifies, the rerun exits 2 naming them.
+
+The three CLI jobs are separate driver processes that join one local Ray cluster (the
+module's head, ``RAY_ADDRESS``), as jobs on a running cluster do; a CLI job that starts
+its own local Ray is tested by test_console, test_run_lease and test_failure_causes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +18,37 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
+from helpers import add_node
 
 pytestmark = pytest.mark.ray
 
 RUN = "verify-cli"
 
 
-def _cli(cfg: dict, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray head (4 logical CPUs: 2 workers plus Ray Data's read tasks) that
+    every CLI job of the module joins: a Ray start per job (and its shutdown) is paid
+    once. This process does not connect; the head's own processes are stopped at the
+    end (``Cluster.shutdown``: the processes it started, by their handles)."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster()
+    try:
+        add_node(c, num_cpus=4, include_dashboard=False)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+def _cli(cfg: dict, tmp_path: Path, address: str, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "RAY_ADDRESS": address}
     return subprocess.run([sys.executable, "-m", "elastic_ddp", "train", str(path),
-                           "--no-progress", *extra], capture_output=True, text=True, timeout=900)
+                           "--no-progress", *extra], capture_output=True, text=True,
+                          timeout=900, env=env)
 
 
 def _ckpts(tmp_path: Path) -> list[Path]:
@@ -39,15 +64,16 @@ def _interrupted(tmp_path: Path) -> None:
     MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").set_terminated(run.info.run_id, "KILLED")
 
 
-@pytest.mark.timeout(1800)  # three CLI jobs, each starting its own local Ray
-def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data, tmp_path):
+@pytest.mark.timeout(1200)  # three CLI jobs
+def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(cluster, digits_data, tmp_path,
+                                                                    mlflow_store):
     from mlflow.tracking import MlflowClient
 
     # 23 steps an epoch: checkpoints at 5, 10, 15, 20 and the epoch's end, 23.
     extra = {"run": {"name": RUN}, "scaling": {"max_failures": 0},
              "train": {"epochs": 1, "checkpoint_every_steps": 5, "log_every_steps": 1,
                        "keep_checkpoints": 4}}
-    first = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
+    first = _cli(digits_config(digits_data, tmp_path, extra), tmp_path, cluster.address)
     assert first.returncode == 0, first.stderr[-3000:]
     ckpts = _ckpts(tmp_path)
     assert [c.name[-2:] for c in ckpts] == ["10", "15", "20", "23"], ckpts
@@ -57,9 +83,9 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data,
     with open(cut, "r+b") as f:
         f.truncate(cut.stat().st_size // 2)
 
+    # The same config again (the run KILLED): it resumes and trains the epoch's rest.
     _interrupted(tmp_path)
-    extra["train"]["epochs"] = 2
-    second = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
+    second = _cli(digits_config(digits_data, tmp_path, extra), tmp_path, cluster.address)
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout
     assert f"checkpoint rejected: {ckpts[-1]}: __1_0.distcp (xxh3_64" in out, out[-3000:]
@@ -69,15 +95,14 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(digits_data,
     hist = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
         run.info.run_id, "train/loss")
     twice = sorted({m.step for m in hist if sum(h.step == m.step for h in hist) == 2})
-    assert twice == list(range(16, 24)), twice
+    assert twice == list(range(16, 24)) and max(m.step for m in hist) == 23, twice
     assert run.info.status == "FINISHED"
 
     # No checkpoint that verifies: refused, exit 2, each bad file named.
     _interrupted(tmp_path)
     for c in _ckpts(tmp_path):
         (c / "__0_0.distcp").write_bytes(b"\0" * (c / "__0_0.distcp").stat().st_size)
-    extra["train"]["epochs"] = 3
-    third = _cli(digits_config(digits_data, tmp_path, extra), tmp_path)
+    third = _cli(digits_config(digits_data, tmp_path, extra), tmp_path, cluster.address)
     assert third.returncode == 2, (third.returncode, third.stderr[-3000:])
     assert "CheckpointCorruptError" in third.stderr and "__0_0.distcp (xxh3_64" in third.stderr, \
         third.stderr[-3000:]

@@ -78,10 +78,10 @@ class Fault:
                 or int(self.spec["at_step"]) != step:
             return None
 
-        def hook(tmp: Path) -> None:
+        def hook(shard: str) -> None:
             if self._arm("checkpoint_write", step):
                 # Leave a half-written file, as a crash inside the write would.
-                with open(tmp, "r+b") as f:
-                    f.truncate(max(1, tmp.stat().st_size // 2))
+                with open(shard, "r+b") as f:
+                    f.truncate(max(1, Path(shard).stat().st_size // 2))
                 os.kill(os.getpid(), signal.SIGKILL)
         return hook
