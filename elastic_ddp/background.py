@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
 
-def start_deferring_signals(thread: threading.Thread) -> None:
-    """``thread.start()`` with SIGINT and SIGTERM held back until it returns (main thread,
-    POSIX). A handler that raises (Ctrl-C's KeyboardInterrupt, the CLI's early SIGTERM)
-    inside ``Thread.start`` makes CPython 3.11 drop the thread from its start-up table
-    while the thread still runs, which then prints a ``KeyError`` traceback from it. A
-    signal held back is delivered when the mask is restored, once ``start`` is done; the
-    new thread keeps the mask, so process signals go to threads that take them."""
+@contextlib.contextmanager
+def signals_held():
+    """A block that SIGINT and SIGTERM do not interrupt (main thread, POSIX): a signal
+    that arrives inside it is delivered when it ends. For the few statements that must
+    run together or not at all (a thread started, a request sent and its reader made),
+    because a raising handler (Ctrl-C's KeyboardInterrupt, the CLI's early SIGTERM) would
+    otherwise leave them half done. Elsewhere (another thread, no ``pthread_sigmask``) it
+    holds nothing back."""
     if threading.current_thread() is not threading.main_thread() or \
             not hasattr(signal, "pthread_sigmask"):
-        thread.start()
+        yield
         return
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        thread.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def start_deferring_signals(thread: threading.Thread) -> None:
+    """``thread.start()`` with SIGINT and SIGTERM held back until it returns
+    (:func:`signals_held`). A handler that raises inside ``Thread.start`` makes CPython
+    3.11 drop the thread from its start-up table while the thread still runs, which then
+    prints a ``KeyError`` traceback from it. The new thread keeps the mask, so process
+    signals go to threads that take them."""
+    with signals_held():
+        thread.start()
 
 
 class Background:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.background import start_deferring_signals
+
 _GROUP = None
 _STAGER = None
 #: The write in flight (``Pending``) whose staged copy lives in ``_STAGER``'s buffers.
@@ -120,6 +122,6 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
             p.error = e
 
     p.thread = threading.Thread(target=finish, name=f"checkpoint-{step}", daemon=True)
-    p.thread.start()
+    start_deferring_signals(p.thread)
     _IN_FLIGHT = p
     return p

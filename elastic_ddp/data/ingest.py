@@ -202,8 +202,8 @@ def worker_context():
     import multiprocessing.forkserver as fs
 
     ctx = mp.get_context("forkserver")
-    if getattr(fs._forkserver, "_forkserver_pid", None) is None:
-        ctx.set_forkserver_preload(WORKER_PRELOAD)
+    # The preload list is read only when the server starts: once it runs, this is a no-op.
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
     fs.ensure_running()
     return ctx
 

@@ -279,7 +279,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
            early_term: EarlySigterm) -> Summary:
     uri = tracking.default_tracking_uri(cfg)
     opener = RunOpener(uri)
-    host = tracker = None
+    host = tracker = stop = None
     try:
 
         t0 = time.time()
@@ -321,6 +321,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             marks["ray_ready"] = time.time()
         side.result()
         opened = opener.result()
+        run_id = opened["run_id"]
     except BaseException as e:
         try:
             _kill(host, tracker)
@@ -337,10 +338,9 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             raise
         finally:
             lease.release()
-    run_id, resumed = opened["run_id"], opened["resumed"]
-    cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
-    stop = None
     try:
+        resumed = opened["resumed"]
+        cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
         tracker.bind.remote(run_id, **opened["attempts"])
         from elastic_ddp.batching import run_length
 

@@ -29,6 +29,7 @@ import time
 from typing import Any, Optional
 
 from elastic_ddp.config import ConfigError
+from elastic_ddp.background import start_deferring_signals
 
 HEARTBEAT_S = 5.0
 STALE_S = 30.0
@@ -180,7 +181,7 @@ class RunLease:
             rec = self._read() or {}
             raise self._busy(rec)
         self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
-        self._thread.start()
+        start_deferring_signals(self._thread)
         return self
 
     def _write(self) -> None:

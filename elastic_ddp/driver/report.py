@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from elastic_ddp.background import start_deferring_signals
+
 
 @dataclass
 class Summary:
@@ -202,7 +204,7 @@ class ProgressDisplay:
         self._notice_lock = threading.Lock()
 
     def __enter__(self):
-        self._thread.start()
+        start_deferring_signals(self._thread)
         return self
 
     def __exit__(self, *exc):

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Optional
 
+from elastic_ddp.background import start_deferring_signals
+
 #: The exit code of a job stopped by SIGTERM at a checkpoint (128 + SIGTERM, as a shell
 #: reports a process ended by that signal).
 EXIT_STOPPED = 143
@@ -59,7 +61,7 @@ class SigtermStop:
             raise KeyboardInterrupt
         self.requested = time.time()
         # Not from inside the handler: it may run in the middle of a Ray call of this thread.
-        threading.Thread(target=self._ask, name="elastic-ddp-stop", daemon=True).start()
+        start_deferring_signals(threading.Thread(target=self._ask, name="elastic-ddp-stop", daemon=True))
 
     def _ask(self) -> None:
         import sys

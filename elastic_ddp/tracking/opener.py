@@ -57,15 +57,18 @@ class RunOpener:
     def open(self, **request: Any) -> None:
         """Send the open request (the keyword arguments of :func:`open_job_run`); the
         answer is read in a thread, so that a Ctrl-C in :meth:`result` loses nothing."""
-        from elastic_ddp.background import Background
+        from elastic_ddp.background import Background, signals_held
 
-        try:
-            pickle.dump(request, self._p.stdin)
-            self._p.stdin.close()
-        except BrokenPipeError:  # the helper died: result() says so
-            pass
-        self._sent = True
-        self._answer = Background(self._read, name="mlflow-helper")
+        # All or nothing: a signal raised between the send and the reader's start would
+        # leave a run the helper opens that the driver can neither read nor close.
+        with signals_held():
+            try:
+                pickle.dump(request, self._p.stdin)
+                self._p.stdin.close()
+            except BrokenPipeError:  # the helper died: result() says so
+                pass
+            self._sent = True
+            self._answer = Background(self._read, name="mlflow-helper")
 
     def _read(self):
         data = self._p.stdout.read()  # the helper closes its end after answering

@@ -12,6 +12,7 @@ from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
                                         WORLD_SIZES_TAG, display_rank, is_transient, client,
                                         metric_key, run_info)
+from elastic_ddp.background import start_deferring_signals
 
 # How long the tracker may hold everything back before a first step (see JobTracker).
 STORE_DEFER_S = 30.0
@@ -64,7 +65,7 @@ class JobTracker:
         self._go = threading.Event()
         if run_id is not None:
             self.bind(run_id, attempts_before, world_sizes_before)
-        threading.Thread(target=self._loop, name="mlflow-writer", daemon=True).start()
+        start_deferring_signals(threading.Thread(target=self._loop, name="mlflow-writer", daemon=True))
 
     def bind(self, run_id: str, attempts_before: int = 0, world_sizes_before: Optional[list] = None) -> None:
         """The run to write to, once it is open (the driver starts the tracker before).

@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from elastic_ddp import notice
 from elastic_ddp.notice import SOURCES, Preempted
+from elastic_ddp.background import start_deferring_signals
 
 _NONE = -(2 ** 62)  # "no time" in a MAX over negated milliseconds
 
@@ -285,7 +286,7 @@ class DrainWatch:
         self.deadline_t: Optional[float] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-ddp-drain-watch", daemon=True)
-        self._thread.start()
+        start_deferring_signals(self._thread)
 
     def _run(self) -> None:
         from elastic_ddp.compat.ray_train import node_drain
