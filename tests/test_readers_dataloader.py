@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import WindowStream, epoch_order
+from elastic_ddp.data.ingest import epoch_order
+from elastic_ddp.data.workers import WindowStream
 from elastic_ddp.data.readers import open_train_reader, reader_kind
 from elastic_ddp.data.scan import scan_parquet
 from elastic_ddp.tasks.protocol import Column, Task

@@ -8,7 +8,9 @@ transform tasks with prefetch and back-pressure, ``preserve_order`` on so window
 in the order the rank needs them). A read task reads one window: the row groups of its
 pieces (only the task's columns), cast to the scanned schema, rows permuted.
 
-The readers (:mod:`elastic_ddp.data.readers`) decide which windows a rank reads.
+The same read function serves ``data.reader: dataloader``, whose DataLoader worker
+processes (:mod:`elastic_ddp.data.workers`) read and transform a rank's windows on its own
+node. The readers (:mod:`elastic_ddp.data.readers`) decide which windows a rank reads.
 """
 
 from __future__ import annotations
@@ -147,167 +149,14 @@ def window_source(files: list[str], schema: pa.Schema, windows: list[Window],
     return WindowSource()
 
 
-# ------------------------------------------------------- DataLoader worker processes
-def _to_shared(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Numeric columns as tensors (a DataLoader worker hands a tensor over in shared
-    memory; a numpy array would be pickled through a pipe); object columns as they are."""
-    import warnings
-
-    import torch
-
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, np.ndarray) and v.dtype != object:
-            try:
-                with warnings.catch_warnings():
-                    # Arrow's arrays are read-only; the tensor is only copied into shared
-                    # memory by the handover, never written.
-                    warnings.simplefilter("ignore", UserWarning)
-                    v = torch.from_numpy(np.ascontiguousarray(v))
-            except TypeError:  # a dtype torch has no tensor of: pickled as it is
-                pass
-        out[k] = v
-    return out
-
-
-def _from_shared(batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    import torch
-
-    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _as_is(item):
-    return item
-
-
-def _chunk_reads(data: bytes) -> "_ChunkReads":
-    import pickle
-
-    return _ChunkReads(*pickle.loads(data))
-
-
-# Modules a data worker needs, imported once by the forkserver its workers fork from.
-WORKER_PRELOAD = ["numpy", "pyarrow.parquet", "torch", "ray.data.block", "elastic_ddp.data.ingest"]
-
-
-def worker_context():
-    """The multiprocessing context of the DataLoader workers: ``forkserver``, its server
-    started now (it imports ``WORKER_PRELOAD`` in the background). A worker forked from
-    this process instead would inherit locks that its other threads (the training step,
-    Ray's core worker) may hold at that moment: torch's seeding of a new worker waits
-    forever on such a lock. The server is a fresh single-threaded process, started once
-    per process; what it costs: its imports (seconds, once) and, per worker, unpickling
-    the dataset (the task is cloudpickled, like for Ray's tasks)."""
-    import multiprocessing as mp
-    import multiprocessing.forkserver as fs
-
-    ctx = mp.get_context("forkserver")
-    # The preload list is read only when the server starts: once it runs, this is a no-op.
-    ctx.set_forkserver_preload(WORKER_PRELOAD)
-    fs.ensure_running()
-    return ctx
-
-
-class _ChunkReads:
-    """Map-style dataset of read chunks: item ``k`` is chunk ``k``'s windows read
-    (:func:`_read_windows`: a row group shared by windows of the chunk read once) and
-    transformed, one batch per window, its ``SEQ`` the window's index in ``windows``."""
-
-    def __init__(self, files: list[str], schema: pa.Schema, windows: list[Window],
-                 chunks: list[tuple[int, int]], transform: TaskTransform):
-        self.files, self.schema, self.windows = files, schema, windows
-        self.chunks, self.transform = chunks, transform
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def __reduce__(self):
-        # cloudpickle: a task class defined in a file the workers cannot import by name
-        # (task.path 'file.py:Name') travels by value, as to Ray's tasks.
-        import ray.cloudpickle
-
-        return (_chunk_reads, (ray.cloudpickle.dumps(
-            (self.files, self.schema, self.windows, self.chunks, self.transform)),))
-
-    def __getitem__(self, k: int) -> list[dict[str, Any]]:
-        from ray.data.block import BlockAccessor
-
-        a, b = self.chunks[k]
-        return [_to_shared(self.transform(BlockAccessor.for_block(t).to_batch_format("numpy")))
-                for t in _read_windows(self.files, self.schema, a, self.windows[a:b])]
-
-
-class WindowStream:
-    """``windows`` read and transformed by ``workers`` ``torch.utils.data.DataLoader``
-    worker processes on this node (:func:`worker_context`), in order (the DataLoader
-    hands items over in index order), cut at ``rounds`` (ascending window indices ending
-    at ``len(windows)``) into the same read chunks as the Ray Data path
-    (:func:`read_task_count`, :func:`read_chunks`, per round). ``round(a, b)``: the
-    batches of windows ``[a, b)``, ``b`` the next round boundary, rounds taken in order
-    from the first; each batch's ``SEQ`` is its window's index in ``windows``.
-
-    The read and transform functions, the cut and the conversion to numpy are those of
-    the Ray Data path, so the rows and their order are the same. What it costs: the
-    workers run on this process's node only; up to ``2 x workers`` chunks are read ahead
-    of the round being taken (the DataLoader's prefetch), bounded in count, not in bytes
-    like ``data.read_ahead_mib``. The workers start at the first ``round`` and exit once
-    the last chunk is handed over (or with this object)."""
-
-    def __init__(self, info: DatasetInfo, task: Task, windows: list[Window], rounds: list[int],
-                 seed: int, epoch: int, split: str, workers: int = READ_TASKS):
-        self._chunks: list[tuple[int, int]] = []
-        self._ends: list[int] = []  # chunks up to the end of each round
-        a = 0
-        for b in rounds:
-            run = windows[a:b]
-            self._chunks += [(a + x, a + y) for x, y in read_chunks(len(run), read_task_count(info, run))]
-            self._ends.append(len(self._chunks))
-            a = b
-        self._rounds = list(rounds)
-        self._data = _ChunkReads(info.files, info.schema, windows, self._chunks,
-                                 TaskTransform(task, seed, epoch, split, info.id_column))
-        self._workers = max(1, min(workers, len(self._chunks)))
-        self._it = None
-        self._taken = 0  # chunks handed over
-        self._k = self._at = 0  # rounds taken; their windows' end
-        self._ctx = worker_context()
-
-    def round(self, a: int, b: int) -> list[dict[str, np.ndarray]]:
-        if self._k >= len(self._rounds) or (a, b) != (self._at, self._rounds[self._k]):
-            raise RuntimeError(f"rounds taken out of order: windows [{a}, {b}) after "
-                               f"[0, {self._at}) of {self._rounds[-1]}")
-        end = self._ends[self._k]
-        self._k, self._at = self._k + 1, b
-        return list(self._batches(end))
-
-    def _batches(self, end: int) -> Iterator[dict[str, np.ndarray]]:
-        """The batches of the chunks up to ``end``."""
-        from torch.utils.data import DataLoader
-
-        if self._it is None and self._taken < end:
-            self._it = iter(DataLoader(self._data, batch_size=None, shuffle=False,
-                                       num_workers=self._workers, collate_fn=_as_is,
-                                       prefetch_factor=2, multiprocessing_context=self._ctx))
-        while self._taken < end:
-            item = next(self._it)
-            self._taken += 1
-            if self._taken == len(self._chunks):
-                for _ in self._it:  # exhausted: the DataLoader ends its workers
-                    raise RuntimeError("the DataLoader gave more chunks than it was given")
-                self._it = None
-            yield from (_from_shared(x) for x in item)
-
-
 def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, epoch: int,
              split: str, local: bool = False,
-             read_ahead_bytes: float = READ_AHEAD_BYTES,
-             reader: str = "ray_data") -> Iterator[dict[str, np.ndarray]]:
+             read_ahead_bytes: float = READ_AHEAD_BYTES) -> Iterator[dict[str, np.ndarray]]:
     """Numpy batches of ``windows`` (in that order) after the task's transform, read and
-    transformed by Ray Data (``reader="ray_data"``), at most ``read_ahead_bytes`` of
-    object-store memory ahead of the consumer (``data.read_ahead_mib``), or by
-    DataLoader worker processes on this node (``reader="dataloader"``,
-    :class:`WindowStream`). ``local=True`` runs the same read and transform functions in
-    this process instead, one window at a time (the reader logic tested without Ray)."""
+    transformed by Ray Data, at most ``read_ahead_bytes`` of object-store memory ahead of
+    the consumer (``data.read_ahead_mib``). ``local=True`` runs the same read and
+    transform functions in this process instead, one window at a time (the reader logic
+    tested without Ray). The DataLoader path: :mod:`elastic_ddp.data.workers`."""
     transform = TaskTransform(task, seed, epoch, split, info.id_column)
     if local:
         from ray.data.block import BlockAccessor
@@ -315,11 +164,6 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
         return (transform(BlockAccessor.for_block(t).to_batch_format("numpy"))
                 for a, b in read_chunks(len(windows), READ_TASKS)
                 for t in _read_windows(info.files, info.schema, a, windows[a:b]))
-    if reader == "dataloader":
-        if not windows:
-            return iter(())
-        stream = WindowStream(info, task, windows, [len(windows)], seed, epoch, split)
-        return stream._batches(len(stream._chunks))
     import ray.data
 
     ctx = ray.data.DataContext.get_current()

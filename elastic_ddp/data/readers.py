@@ -9,9 +9,10 @@
 - :class:`PermutationReader` (permutation order, small data sets): streams every row group
   and keeps the rows of this rank's share of the rest of the epoch.
 
-Both read through :func:`elastic_ddp.data.ingest.pipeline` or, windowed with
-``data.reader`` ``dataloader``, an :class:`elastic_ddp.data.ingest.WindowStream` (the same
-read and transform functions, in DataLoader worker processes on the trainer's node).
+Both read through :func:`elastic_ddp.data.ingest.pipeline` (``data.reader: ray_data``)
+or the process's DataLoader workers (``dataloader``: :mod:`elastic_ddp.data.workers`, the
+same read and transform functions in worker processes on the trainer's node, kept across
+rounds and epochs).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Optional
 import numpy as np
 
 from elastic_ddp.background import Background
-from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, WindowStream, concat_rows, epoch_order, pipeline,
-                                     take_rows, window_bytes)
+from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, concat_rows, epoch_order, pipeline, take_rows,
+                                     window_bytes)
 from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
 from elastic_ddp.data.scan import DatasetInfo
+from elastic_ddp.data.workers import WindowStream, dataloader_batches
 from elastic_ddp.tasks.protocol import Task
 from elastic_ddp.tasks.transform import SEQ
 
@@ -50,8 +52,8 @@ class WindowedReader:
 
     ``reader``: ``"ray_data"`` (each round one Ray Data pipeline) or ``"dataloader"``
     (the rounds taken in turn from one :class:`WindowStream` over the windows from the
-    first round not read in this process: its workers read on across round boundaries);
-    the rows and their order are the same."""
+    first round not read in this process, each round one run of the process's DataLoader
+    workers); the rows and their order are the same."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, local: bool = False,
@@ -81,7 +83,7 @@ class WindowedReader:
         self.bytes_read = window_bytes(info, self._todo)
         self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
         # A small first round is read here only for Ray Data (whose first execution in a
-        # fresh process starts its workers); DataLoader workers are forked in milliseconds.
+        # fresh process starts its workers); the DataLoader workers are started once.
         self._local_first = held is not None or (
             reader == "ray_data" and bool(todo)
             and window_bytes(info, self._todo[:self._rounds[0]]) <= local_first_bytes)
@@ -261,8 +263,11 @@ class PermutationReader:
         info, task, local, reader = self._source
         kept_rows, kept = [], []
         seen: dict[int, int] = {}
-        for batch in pipeline(info, task, self._windows, self.order.seed, self.order.epoch, "train", local,
-                              reader=reader):
+        seed, epoch = self.order.seed, self.order.epoch
+        batches = (dataloader_batches(info, task, self._windows, seed, epoch, "train")
+                   if reader == "dataloader" and not local and self._windows
+                   else pipeline(info, task, self._windows, seed, epoch, "train", local))
+        for batch in batches:
             seq = batch.pop(SEQ)
             if self.template is None:
                 self.template = {k: v[:0] for k, v in batch.items()}
