@@ -92,7 +92,7 @@ class DataConfig(Section):
         "auto", description=(
             "Who reads and transforms a rank's training rows (the rows, their order and a "
             "resume are the same either way). dataloader: 2 torch DataLoader worker "
-            "processes on the trainer's node (started from a forkserver) (what they hold ahead is "
+            "processes on the trainer's node (started from a forkserver once, kept for the run) (what they hold ahead is "
             "bounded in chunks of ~8 MiB of Parquet, not by read_ahead_mib). ray_data: a "
             "Ray Data pipeline per rank and round (read and transform tasks, at most "
             "read_ahead_mib ahead in the object store). auto: dataloader, the faster on "
