@@ -116,7 +116,10 @@ class _ChunkJobs:
                 for t in _read_windows(self.files, self.schema, key.first_seq, list(key.windows))]
 
     def __getitem__(self, key: ChunkKey):
-        return _chunk_item(self, key)
+        try:
+            return self.read(key)
+        except Exception as e:  # noqa: BLE001 - handed to the run that takes the chunk
+            return _Failed(e)
 
 
 class _Failed:
@@ -133,13 +136,6 @@ class _Failed:
         except Exception:  # noqa: BLE001 - an exception that cannot travel: its text does
             error = RuntimeError(f"{type(error).__name__}: {error}\n" + "\n".join(getattr(error, "__notes__", [])))
         self.error = error
-
-
-def _chunk_item(jobs: "_ChunkJobs", key: ChunkKey):
-    try:
-        return jobs.read(key)
-    except Exception as e:  # noqa: BLE001 - handed to the run that takes the chunk
-        return _Failed(e)
 
 
 class _Sampler:
@@ -245,13 +241,12 @@ class DataWorkers:
 
     def _next_key(self) -> ChunkKey:
         with self._state:
-            pick = next((r for r in self._runs.values() if r.sent < r.wanted), None)
-            if pick is None:
-                pick = next((r for r in self._runs.values()
-                             if r.sent < min(len(r.keys), r.wanted + READ_AHEAD_CHUNKS)), None)
+            runs = self._runs.items()
+            rid, pick = next(((k, r) for k, r in runs if r.sent < r.wanted), None) or next(
+                ((k, r) for k, r in runs if r.sent < min(len(r.keys), r.wanted + READ_AHEAD_CHUNKS)),
+                (None, None))
             if pick is None:
                 raise StopIteration
-            rid = next(k for k, v in self._runs.items() if v is pick)
             self._in_flight.append((rid, pick.sent))
             pick.sent += 1
             return pick.keys[pick.sent - 1]
