@@ -24,7 +24,8 @@ import yaml
 from conftest import digits_config, mlflow_runs
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, THRESHOLD, WINDOW, DataWaitWatch
 
-FIXES = ("more CPUs", "data.reader", "data.read_ahead_mib", "data.block_rows")
+FIXES = ("more CPUs", "data.read_tasks", "data.task_cpus", "CPU-only node", "data.read_ahead_mib",
+         "data.block_rows")
 
 
 def _feed(watch: DataWaitWatch, fracs, start: int = 2, every: int = 2) -> list[tuple[int, str]]:

@@ -55,11 +55,12 @@ def _data(tmp: Path, n=N, files=3, rg=8) -> Path:
     return tmp
 
 
-def _cfg(tmp: Path, order="windowed", **data) -> Config:
+def _cfg(tmp: Path, order="windowed", cpus_per_worker: float = 1.0, **data) -> Config:
     return Config.from_dict({"data": {"train_path": str(tmp), "order": order, **data},
                              "task": {"path": "tests:Echo"},
                              "batch": {"global_batch_size": G, "policy": "uneven"},
-                             "scaling": {"min_workers": 1, "max_workers": 4}})
+                             "scaling": {"min_workers": 1, "max_workers": 4,
+                                         "cpus_per_worker": cpus_per_worker}})
 
 
 def _steps(info, cfg, kind: str, ws: int, cursor: int, epoch: int = 1) -> list[list[dict]]:
@@ -145,3 +146,84 @@ def test_dataloader_reader_matches_the_ray_data_reader(tmp_path, ray_cluster, or
     info = scan_parquet(tmp_path, Noisy.columns)
     for ws, cursor in ((3, 0), (3, 10 * G + 5), (2, 10 * G + 5)):
         _same(_steps(info, cfg, "dataloader", ws, cursor), _steps(info, cfg, "ray_data", ws, cursor))
+
+
+def test_read_tasks_sets_the_workers_and_keeps_the_rows(tmp_path):
+    """``data.read_tasks: 3``: the rank's pool has 3 DataLoader workers and the rows and
+    their order are the reference's."""
+    from elastic_ddp.data.workers import data_workers
+
+    cfg = _cfg(_data(tmp_path), shuffle_window_rows=48, partitions=4, read_tasks=3)
+    info = scan_parquet(tmp_path, Noisy.columns)
+    task = Noisy()
+    readers = [open_train_reader(info, task, cfg, r, 2, 1, 0, G, template=T)[1] for r in range(2)]
+    got = [[rd.take(c, min(G, N - c)) for rd in readers] for c in range(0, N, G)]
+    assert data_workers(info, task, 3).workers == 3 and not data_workers(info, task, 3).idle
+    _same(got, _steps(info, cfg, "local", 2, 0))
+
+
+class Assigned(Noisy):
+    """Noisy, plus the logical CPUs Ray assigned to the task that ran the transform."""
+
+    def transform(self, batch, ctx):
+        import ray
+
+        out = super().transform(batch, ctx)
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        return {**out, "cpus": np.full(len(out["x"]), cpus, dtype=np.float64)}
+
+
+@pytest.mark.ray
+def test_task_cpus_reserve_cpus_and_none_when_training_holds_them(tmp_path, ray_cluster, caplog,
+                                                                  monkeypatch):
+    """``data.task_cpus: 1`` (ray_data): every read and transform task runs with 1 CPU
+    reserved while the cluster has CPUs besides the training workers'; when training
+    holds every CPU (a holder actor takes the 4, as 2 workers of 2 CPUs would), a
+    round's tasks reserve none, a warning names ``data.task_cpus`` once, and the epoch is
+    read (a task reserving a CPU would wait forever). The rows are the same either way."""
+    import logging
+
+    import ray
+    import ray.cloudpickle
+
+    from elastic_ddp.data import ingest
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(ingest, "_TASK_CPUS_WARNED", False)
+    data = _data(tmp_path)
+    info = scan_parquet(tmp_path, Noisy.columns)
+    tmpl = {**T, "cpus": np.zeros(0, np.float64)}
+
+    def steps(cpus_per_worker: float) -> list[list[dict]]:
+        cfg = _cfg(data, shuffle_window_rows=48, partitions=4, reader="ray_data", task_cpus=1,
+                   read_tasks=3, cpus_per_worker=cpus_per_worker)
+        readers = [open_train_reader(info, Assigned(), cfg, r, 2, 1, 0, G, template=tmpl)[1]
+                   for r in range(2)]
+        return [[rd.take(c, min(G, N - c)) for rd in readers] for c in range(0, N, G)]
+
+    def cpus(steps) -> set:
+        return {float(v) for s in steps for rows in s for v in rows["cpus"]}
+
+    def strip(steps):
+        return [[{k: v for k, v in rows.items() if k != "cpus"} for rows in s] for s in steps]
+
+    free = steps(1.0)
+    assert cpus(free) == {1.0}
+    _same(strip(free), _steps(info, _cfg(data, shuffle_window_rows=48, partitions=4), "local", 2, 0))
+
+    @ray.remote(num_cpus=4)
+    class Holder:
+        def ready(self):
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    try:
+        with caplog.at_level(logging.WARNING, logger="elastic_ddp.data.ingest"):
+            held = steps(2.0)
+    finally:
+        ray.kill(holder)
+    assert cpus(held) == {0.0}
+    _same(strip(held), strip(free))
+    warned = [r for r in caplog.records if "data.task_cpus" in r.getMessage()]
+    assert len(warned) == 1 and "CPU-only node" in warned[0].getMessage()

@@ -98,6 +98,21 @@ class DataConfig(Section):
             "read_ahead_mib ahead in the object store). auto: dataloader, the faster on "
             "the trainer's node (docs/benchmarks.md)."),
     )
+    read_tasks: int = Field(
+        2, ge=1, le=64, description=(
+            "Read and transform processes per rank: DataLoader workers (dataloader) or Ray "
+            "Data tasks at a time (ray_data). More keep a fast step fed where the cores "
+            "exist; each DataLoader worker holds a Python process with torch and the task."),
+    )
+    task_cpus: float = Field(
+        0.0, ge=0, description=(
+            "ray_data: logical CPUs each read and transform task reserves. 0: none (the "
+            "tasks never wait for a CPU and share the cores of the nodes they land on). "
+            "> 0: Ray runs them where CPUs are free, a CPU-only node or CPUs training leaves, "
+            "up to read_tasks at a time, so a node added to the cluster adds data-path "
+            "throughput; a round that finds fewer CPUs free reserves none (warned once). "
+            "Ignored by the dataloader reader, whose workers run on the trainer's node."),
+    )
     on_change: Literal["refuse", "restart_epoch"] = Field(
         "refuse", description=(
             "A resume whose checkpoint was written on other data (rows added, removed or "

@@ -19,7 +19,7 @@ import collections
 import functools
 import logging
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -30,8 +30,9 @@ from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.tasks.protocol import Task
 from elastic_ddp.tasks.transform import SEQ, TaskTransform, TransformError  # noqa: F401 - TransformError re-exported
 
-# Read/transform tasks in flight per rank: two keep one window decoding while the trainer
-# consumes the other (a window is thousands of rows, many steps' worth).
+# Read/transform tasks in flight per rank (data.read_tasks' default): two keep one window
+# decoding while the trainer consumes the other (a window is thousands of rows, many
+# steps' worth).
 READ_TASKS = 2
 # Parquet bytes per read task: a round is cut into tasks of about this size (at least
 # READ_TASKS of them, at most one per window), READ_TASKS in flight. A round cut into only
@@ -117,11 +118,22 @@ def read_chunks(n_windows: int, tasks: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def read_task_count(info: DatasetInfo, windows: list[Window]) -> int:
+class ReadSlots(NamedTuple):
+    """A rank's data-path parallelism: ``tasks`` read and transform tasks (Ray Data) or
+    DataLoader workers at a time (``data.read_tasks``), each Ray Data task reserving
+    ``cpus`` logical CPUs (``data.task_cpus``; 0: none); ``training_cpus``: the logical
+    CPUs the training workers hold (``world_size x scaling.cpus_per_worker``)."""
+
+    tasks: int = READ_TASKS
+    cpus: float = 0.0
+    training_cpus: float = 0.0
+
+
+def read_task_count(info: DatasetInfo, windows: list[Window], slots: int = READ_TASKS) -> int:
     """Read tasks for ``windows``: ``ceil(window_bytes / READ_TASK_BYTES)``, at least
-    ``READ_TASKS`` and at most one per window (0 for none)."""
+    ``slots`` (the tasks in flight at a time) and at most one per window (0 for none)."""
     want = math.ceil(window_bytes(info, windows) / READ_TASK_BYTES)
-    return min(len(windows), max(READ_TASKS, want))
+    return min(len(windows), max(slots, want))
 
 
 def window_source(files: list[str], schema: pa.Schema, windows: list[Window],
@@ -150,13 +162,14 @@ def window_source(files: list[str], schema: pa.Schema, windows: list[Window],
 
 
 def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, epoch: int,
-             split: str, local: bool = False,
-             read_ahead_bytes: float = READ_AHEAD_BYTES) -> Iterator[dict[str, np.ndarray]]:
+             split: str, local: bool = False, read_ahead_bytes: float = READ_AHEAD_BYTES,
+             slots: ReadSlots = ReadSlots()) -> Iterator[dict[str, np.ndarray]]:
     """Numpy batches of ``windows`` (in that order) after the task's transform, read and
     transformed by Ray Data, at most ``read_ahead_bytes`` of object-store memory ahead of
-    the consumer (``data.read_ahead_mib``). ``local=True`` runs the same read and
-    transform functions in this process instead, one window at a time (the reader logic
-    tested without Ray). The DataLoader path: :mod:`elastic_ddp.data.workers`."""
+    the consumer (``data.read_ahead_mib``), ``slots.tasks`` tasks at a time
+    (:func:`task_resources` says where they may run). ``local=True`` runs the same read
+    and transform functions in this process instead, one window at a time (the reader
+    logic tested without Ray). The DataLoader path: :mod:`elastic_ddp.data.workers`."""
     transform = TaskTransform(task, seed, epoch, split, info.id_column)
     if local:
         from ray.data.block import BlockAccessor
@@ -168,8 +181,6 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    # Read tasks on this rank's node: a window travels through the local object store.
-    ctx.execution_options.locality_with_output = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     # Ray Data's own budget is a share of the whole object store: on a large data set it
@@ -181,18 +192,54 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     if not windows:
         return iter(())
-    # No CPU reserved for the read and transform tasks, at most READ_TASKS of them at
-    # a time per rank: the training workers may hold every CPU of their nodes (a cluster
-    # sized by workers x cpus_per_worker), and a task waiting for a free CPU would stall
-    # the job forever. What it costs: the tasks share the cores with training.
-    remote = {"num_cpus": 0, "concurrency": READ_TASKS}
-    tasks = read_task_count(info, windows)
+    remote = {"num_cpus": task_resources(slots), "concurrency": slots.tasks}
+    tasks = read_task_count(info, windows, slots.tasks)
     src = window_source(info.files, info.schema, windows, tasks)
     ds = ray.data.read_datasource(src, override_num_blocks=len(read_chunks(len(windows), tasks)),
                                   **remote)
     ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False,
                         **remote)
     return ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)
+
+
+_TASK_CPUS_WARNED = False
+
+
+def task_resources(slots: ReadSlots) -> float:
+    """The logical CPUs each Ray Data read and transform task of a round reserves.
+
+    ``slots.cpus == 0`` (``data.task_cpus``' default): none. The tasks then never wait
+    for a CPU: the training workers may hold every CPU of their nodes (a cluster sized
+    by workers x cpus_per_worker), and a task waiting for one would stall the job
+    forever. Ray Data's default ``SPREAD`` scheduling places them on any node, but they
+    share the cores with whatever runs there.
+
+    ``slots.cpus > 0``: each task reserves that many, so Ray runs them where CPUs are
+    free (a CPU-only node, the CPUs training leaves) and as many at a time as fit, up to
+    ``slots.tasks``; a node added to the cluster adds data-path throughput. When the
+    cluster's CPUs (``ray.cluster_resources()``, the nodes alive now) less those training
+    holds (``slots.training_cpus``) are fewer than ``slots.cpus`` (no such node, or it
+    left), the round's tasks reserve none, as with 0, and a warning says so once per
+    process: the job goes on instead of waiting for CPUs that may never come. CPUs other
+    jobs hold are not counted: the tasks wait for those like any Ray task. What it costs:
+    one GCS request per round.
+    """
+    global _TASK_CPUS_WARNED
+    if slots.cpus <= 0:
+        return 0.0
+    import ray
+
+    spare = float(ray.cluster_resources().get("CPU", 0.0)) - slots.training_cpus
+    if spare >= slots.cpus:
+        return float(slots.cpus)
+    if not _TASK_CPUS_WARNED:
+        _TASK_CPUS_WARNED = True
+        logging.getLogger(__name__).warning(
+            "data.task_cpus is %s but the cluster has %.1f CPUs besides the training workers': "
+            "the read and transform tasks reserve none and share the training nodes' cores. "
+            "Add a CPU-only node (or lower scaling.max_workers) for the data path to have "
+            "CPUs of its own.", slots.cpus, max(0.0, spare))
+    return 0.0
 
 
 def concat_rows(parts: list[dict[str, np.ndarray]], template: Optional[dict] = None) -> dict[str, np.ndarray]:

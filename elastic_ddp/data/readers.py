@@ -23,8 +23,8 @@ from typing import Optional
 import numpy as np
 
 from elastic_ddp.background import Background
-from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, concat_rows, epoch_order, pipeline, take_rows,
-                                     window_bytes)
+from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, ReadSlots, concat_rows, epoch_order, pipeline,
+                                     take_rows, window_bytes)
 from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
 from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.data.workers import WindowStream, dataloader_batches
@@ -53,13 +53,15 @@ class WindowedReader:
     ``reader``: ``"ray_data"`` (each round one Ray Data pipeline) or ``"dataloader"``
     (the rounds taken in turn from one :class:`WindowStream` over the windows from the
     first round not read in this process, each round one run of the process's DataLoader
-    workers); the rows and their order are the same."""
+    workers); the rows and their order are the same. ``slots``: the data path's
+    parallelism (``data.read_tasks``, ``data.task_cpus``)."""
 
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, local: bool = False,
                  read_ahead_bytes: float = READ_AHEAD_BYTES,
                  held: Optional[dict[tuple[int, int], dict[str, np.ndarray]]] = None,
-                 local_first_bytes: float = 0.0, reader: str = "ray_data"):
+                 local_first_bytes: float = 0.0, reader: str = "ray_data",
+                 slots: ReadSlots = ReadSlots()):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.windows = order.rank_windows(rank, world_size, cursor)
         self._buf: dict[int, list[tuple[Window, dict[str, np.ndarray]]]] = {}
@@ -82,6 +84,7 @@ class WindowedReader:
         self._rounds = [i for i in range(1, len(todo)) if todo[i][0] != todo[i - 1][0]] + [len(todo)]
         self.bytes_read = window_bytes(info, self._todo)
         self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
+        self._slots = slots
         # A small first round is read here only for Ray Data (whose first execution in a
         # fresh process starts its workers); the DataLoader workers are started once.
         self._local_first = held is not None or (
@@ -118,7 +121,8 @@ class WindowedReader:
         if self._reader == "dataloader" and not local:
             if self._stream is None:
                 self._stream = (a, WindowStream(info, task, self._todo[a:],
-                                                [r - a for r in self._rounds if r > a], seed, epoch, "train"))
+                                                [r - a for r in self._rounds if r > a], seed, epoch, "train",
+                                                self._slots.tasks))
             base, stream = self._stream
 
             def read() -> list[dict[str, np.ndarray]]:
@@ -131,7 +135,8 @@ class WindowedReader:
 
         def read() -> list[dict[str, np.ndarray]]:
             out = []
-            for batch in pipeline(info, task, self._todo[a:b], seed, epoch, "train", local, ahead):
+            for batch in pipeline(info, task, self._todo[a:b], seed, epoch, "train", local, ahead,
+                                  self._slots):
                 batch[SEQ] = batch[SEQ] + a
                 out.append(batch)
             return out
@@ -237,7 +242,7 @@ class PermutationReader:
     def __init__(self, info: DatasetInfo, task: Task, order: EpochOrder, rank: int,
                  world_size: int, cursor: int, global_batch_size: int,
                  rows_per_rank: Optional[list[int]] = None, local: bool = False,
-                 reader: str = "ray_data"):
+                 reader: str = "ray_data", slots: ReadSlots = ReadSlots()):
         self.order, self.rank, self.world_size = order, rank, world_size
         self.g, self.rows_per_rank = global_batch_size, rows_per_rank
         mine = [self._positions(c) for c in range(cursor, order.num_rows, global_batch_size)]
@@ -248,7 +253,7 @@ class PermutationReader:
         self.bytes_read = window_bytes(info, windows)
         self._starts = np.cumsum([0] + [g.num_rows for g in info.row_groups])
         self._windows = windows
-        self._source = (info, task, local, reader)
+        self._source = (info, task, local, reader, slots)
         self._rows: Optional[np.ndarray] = None
         self._data: dict[str, np.ndarray] = {}
         self.template: Optional[dict] = None
@@ -260,13 +265,13 @@ class PermutationReader:
         return np.arange(start, start + rows[self.rank], dtype=np.int64)
 
     def _load(self) -> None:
-        info, task, local, reader = self._source
+        info, task, local, reader, slots = self._source
         kept_rows, kept = [], []
         seen: dict[int, int] = {}
         seed, epoch = self.order.seed, self.order.epoch
-        batches = (dataloader_batches(info, task, self._windows, seed, epoch, "train")
+        batches = (dataloader_batches(info, task, self._windows, seed, epoch, "train", slots.tasks)
                    if reader == "dataloader" and not local and self._windows
-                   else pipeline(info, task, self._windows, seed, epoch, "train", local))
+                   else pipeline(info, task, self._windows, seed, epoch, "train", local, slots=slots))
         for batch in batches:
             seq = batch.pop(SEQ)
             if self.template is None:
@@ -310,12 +315,13 @@ def open_train_reader(info: DatasetInfo, task: Task, cfg, rank: int, world_size:
     ``"dataloader"`` (default: :func:`reader_kind` of ``cfg``)."""
     order = epoch_order(info, cfg, epoch)
     reader = reader or reader_kind(cfg)
+    slots = ReadSlots(cfg.data.read_tasks, cfg.data.task_cpus, world_size * cfg.scaling.cpus_per_worker)
     if order.mode == "permutation":
         rd = PermutationReader(info, task, order, rank, world_size, cursor,
-                               global_batch_size, rows_per_rank, local, reader)
+                               global_batch_size, rows_per_rank, local, reader, slots)
     else:
         rd = WindowedReader(info, task, order, rank, world_size, cursor, local,
-                            cfg.data.read_ahead_mib * 2**20, held, local_first_bytes, reader)
+                            cfg.data.read_ahead_mib * 2**20, held, local_first_bytes, reader, slots)
     if template is not None:
         rd.template = {k: v[:0] for k, v in template.items()}
     return order, rd

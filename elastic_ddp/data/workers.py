@@ -362,7 +362,7 @@ class WindowStream:
         for b in rounds:
             run = windows[a:b]
             keys += [ChunkKey(seed, epoch, split, a + x, tuple(windows[a + x:a + y]))
-                     for x, y in read_chunks(len(run), read_task_count(info, run))]
+                     for x, y in read_chunks(len(run), read_task_count(info, run, workers))]
             self._ends.append(len(keys))
             a = b
         self.chunks = len(keys)
@@ -394,11 +394,11 @@ class WindowStream:
 
 
 def dataloader_batches(info: DatasetInfo, task: Task, windows: list[Window], seed: int,
-                       epoch: int, split: str) -> Iterator[dict[str, np.ndarray]]:
+                       epoch: int, split: str, workers: int = READ_TASKS) -> Iterator[dict[str, np.ndarray]]:
     """Numpy batches of ``windows`` in order (one per window), read and transformed by
     this process's :class:`DataWorkers`, streamed (the permutation reader keeps only its
     rank's rows of each)."""
     if not windows:
         return iter(())
-    stream = WindowStream(info, task, windows, [len(windows)], seed, epoch, split)
+    stream = WindowStream(info, task, windows, [len(windows)], seed, epoch, split, workers)
     return stream.batches()

@@ -32,12 +32,13 @@ def data_wait_message(frac: float, first_step: int, last_step: int, threshold: f
     return (f"the training step waits for its data: data_wait is {frac:.0%} of step time "
             f"(median of the last {window} logged windows, logged at steps {first_step}-{last_step}; "
             f"the threshold is {threshold:.0%}), so the accelerator idles while the data path "
-            "catches up. Fixes: give the data path more CPUs (its read and transform "
-            "processes, data.reader, share the training workers' nodes: a node with more cores "
-            "per worker, or fewer workers per node); with data.reader: ray_data, let each rank "
-            "read further ahead with data.read_ahead_mib; cut row groups into smaller, parallel "
-            "transform items with data.block_rows; or make Task.transform "
-            "cheaper (vectorised decoding, work moved to collate or the model).")
+            "catches up. Fixes: give the data path more CPUs: more read and transform "
+            "processes per rank with data.read_tasks where the training nodes have idle cores, "
+            "or data.reader: ray_data with data.task_cpus: 1 and a CPU-only node added to the "
+            "cluster (the dataloader reader runs on the training workers' nodes only); with "
+            "ray_data, let each rank read further ahead with data.read_ahead_mib; cut row "
+            "groups into smaller, parallel transform items with data.block_rows; or make "
+            "Task.transform cheaper (vectorised decoding, work moved to collate or the model).")
 
 
 class DataWaitWatch:
