@@ -266,7 +266,9 @@ class ScalingConfig(Section):
             "notice_agreement_s of training), commits a checkpoint there and the job "
             "restarts from it (the driver's: stops, exit 143). per_step mode: the replica on a drained node or "
             "with a SIGTERM leaves its quorum at the next step boundary, the others "
-            "continue and Ray replaces it. false: a notice is handled as a crash."),
+            "continue and Ray replaces it; the driver's SIGTERM rides in a step's all-reduce "
+            "and every replica commits a checkpoint of that step and stops (exit 143). false: "
+            "a notice is handled as a crash."),
     )
     notice_agreement_s: float = Field(
         1.0, ge=0, description=(

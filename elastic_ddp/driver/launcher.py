@@ -353,9 +353,9 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         if host is not None:
             trainer.controller_host = host
         marks["fit_called"] = time.time()
-        # SIGTERM: a checkpoint, then exit 143 (restart mode; in per_step mode SIGTERM ends
-        # the driver as it would without elastic-ddp).
-        stop = SigtermStop(host, enabled=job.preemption and cfg.scaling.fault_tolerance == "restart")
+        # SIGTERM: a checkpoint, then exit 143 (restart mode: at the notice agreement; per_step
+        # mode: the stop rides in a step's all-reduce, worker.fault_tolerance).
+        stop = SigtermStop(host, enabled=job.preemption)
         early_term.release()
         try:
             # Without progress lines it still prints the tracker's warnings (data wait).

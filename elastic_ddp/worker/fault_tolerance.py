@@ -65,6 +65,8 @@ from elastic_ddp.worker.roles import PerStepRoles, RestartRoles
 # Lighthouse settings: the survivors' longest gap is the heartbeat timeout
 # (5 s by default, 0.6-0.8 s at 500 ms); one live replica may form a quorum.
 LIGHTHOUSE = {"min_replicas": 1, "heartbeat_timeout_ms": 500}
+# The key of the driver's stop among the sums of a per-step all-reduce.
+STOP_KEY = "elastic_ddp.stop"
 
 
 class ReplicaGroup:
@@ -272,6 +274,8 @@ class RestartFaultTolerance:
     #: Whether ``sync_gradients`` also sums the metric window's row sums: no, the window
     #: reduces itself over the group on log steps (StepWindow.reduce).
     sums_in_step = False
+    #: The driver's stop is agreed by the notice listener (``worker.notice``), not here.
+    stop_agreed = False
 
     def __init__(self, trainer):
         self.t = trainer
@@ -326,6 +330,8 @@ class PerStepFaultTolerance:
     ledger_mode = "per_step"
     sums_in_step = True  # the metric window's row sums ride in the gradient all-reduce
     comm_size = 1  # torchft's own process group joins the replicas
+    #: A committed step's all-reduce carried the driver's stop (:meth:`stop_here`).
+    stop_agreed = False
 
     def __init__(self, trainer):
         self.t = t = trainer
@@ -385,12 +391,41 @@ class PerStepFaultTolerance:
         return 1.0 / n  # the all-reduce SUMs over the participants
 
     def sync_gradients(self, probe: bool, sums: Optional[dict] = None) -> tuple[bool, Optional[dict]]:
-        """The step's one all-reduce (gradients, and ``sums`` on a log step) and torchft's
-        commit decision: (whether the step may be applied, ``sums`` summed over the
-        quorum or None)."""
+        """The step's one all-reduce (gradients, ``sums`` on a log step, and whether this
+        replica holds the driver's stop) and torchft's commit decision: (whether the step
+        may be applied, ``sums`` summed over the quorum or None). The stop rides in every
+        step (one float): every participant of the step that first carries it learns it
+        there, so all of them stop after the same committed step (``stop_agreed``; a
+        healing replica's share is zeros, its own stop rides in its next step)."""
+        from elastic_ddp import notice
+
         params = [p for p in self.t.strategy.module.parameters() if p.requires_grad]
-        summed = self.group.allreduce_gradients(params, sums)
-        return self.group.commit(), summed
+        mine = {**(sums or {}), STOP_KEY: 1.0 if "stop" in notice.noted() else 0.0}
+        summed = self.group.allreduce_gradients(params, mine)
+        ok = self.group.commit()
+        stop = summed.pop(STOP_KEY) > 0
+        self.stop_agreed = self.stop_agreed or (ok and stop)
+        return ok, (summed if sums is not None else None)
+
+    def stop_here(self) -> None:
+        """After the committed step where the stop was agreed: commit a checkpoint of it
+        (a full quorum reports it, every replica at this step; a partial one's lead writes
+        it to storage, as at the run's end) and raise ``notice.Preempted("stop")`` on this
+        replica; the controller then ends the job (``controller.events.StopRequested``).
+
+        Raises:
+            Preempted: always, once the checkpoint is committed."""
+        import time
+
+        from elastic_ddp import notice
+
+        t = self.t
+        step = t.progress.step
+        t.log(f"stop notice (the driver's SIGTERM) at step {step}: committing a checkpoint")
+        t.checkpoint({}, final=True)
+        t.ledger.close()
+        noticed = notice.noted().get("stop", time.time())
+        raise notice.Preempted("stop", step, noticed, None, time.time(), (), t.rank)
 
     def ledger_extra(self) -> dict:
         return {"quorum": self.group.quorum_id, "n": self.group.participants}

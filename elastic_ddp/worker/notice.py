@@ -59,9 +59,10 @@ whole quorum, and the next quorum's participants split the next steps' rows amon
 themselves. Sources: its own SIGTERM (the same handler as above) and a drain of its own
 node, which a thread of the replica asks the GCS about every
 ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S`` seconds (1; ``compat.ray_train.node_drain``: Ray
-Train runs no preemption watcher for replica groups). The driver's stop is not handled in
-this mode (SIGTERM to the driver ends it as without elastic-ddp). Costs: one dict read per
-step, and one GCS call a second per replica.
+Train runs no preemption watcher for replica groups). The driver's stop is not a leave:
+it rides in every step's all-reduce and every replica stops after the same committed step
+(``fault_tolerance.PerStepFaultTolerance.stop_here``). Costs: one dict read per step, and
+one GCS call a second per replica.
 """
 
 from __future__ import annotations

@@ -214,6 +214,8 @@ class Trainer:
                 self.ckpt.poll()  # an asynchronous checkpoint done on every rank: reported
                 if self.listener is not None and not self.done and (agreed := self.listener.agreed()):
                     self.listener.checkpoint_and_stop(agreed)  # raises notice.Preempted
+                if self.ft.stop_agreed and not self.done:
+                    self.ft.stop_here()  # per-step mode, the driver's stop: raises notice.Preempted
                 if c.checksum_every_steps and p.step % c.checksum_every_steps == 0:
                     self.strategy.check_params_equal(p.step)
                 if not self.done and p.step % c.checkpoint_every_steps == 0 and p.cursor < self.n_train:
