@@ -36,6 +36,11 @@ Loaders, each given ``--procs`` processes for the data path on one local Ray clu
   was used exactly once per epoch. ``elastic_ray_data`` (only when named in ``--only``):
   the same with ``data.reader: ray_data`` (a Ray Data pipeline per rank, ``READ_TASKS``
   read+transform tasks at a time).
+* ``elastic_reader``: the elastic reader alone in this process (:func:`run_reader`): the
+  same readers, windows, order and DataLoader workers as ``elastic``, each step's rows
+  taken and collated, the next epoch prefetched, but no training job beside it (no Ray
+  Train worker, step, checkpoint, ledger or tracker on the cores); ``exact`` says every
+  epoch took every row once. ``elastic`` against it is what the job itself costs.
 * ``ray_data``: ``read_parquet`` (one block per row group) ``-> map_batches(transform,
   concurrency=procs)`` and
   ``iter_torch_batches(collate_fn=collate)`` in this process (no exactness: no resume, no
@@ -43,11 +48,14 @@ Loaders, each given ``--procs`` processes for the data path on one local Ray clu
 * ``dataloader``: the Parquet columns in memory, a map-style dataset of batches (transform
   and collate in the workers), ``DataLoader(num_workers=procs)``.
 
-Rows/s (steady): the rows of the epochs after the first over the wall time from the last
-batch of the first epoch to the last batch (``--epochs`` >= 2; everything in between
-counts: for the elastic reader the steps, its blocking reads, logging, the epoch-end
-checkpoints). ``first_s``: seconds from the loader's start to its first batch (Ray Train's
-start-up included for the elastic reader). The loaders run interleaved, ``--repeat``
+Rows/s (steady): the rows of the epochs after the first ``--warmup-epochs`` over the wall
+time from the last batch of the last warm-up epoch to the last batch (``--epochs`` >
+``--warmup-epochs``; everything in between counts: for the elastic reader the steps, its
+blocking reads, logging, the epoch-end checkpoints). The warm-up leaves out what happens
+once per process: for the elastic job Ray Train's start-up, the first reads of new
+DataLoader workers and the tracker's MLflow import after the first step, which share the
+cores with the first epochs. ``first_s``: seconds from the loader's start to its first
+batch (Ray Train's start-up included for the elastic reader). The loaders run interleaved, ``--repeat``
 rounds; the table gives each loader's median and its ratio to the fastest median. Figures
 on a shared machine are noisy: compare ratios within one run.
 """
@@ -69,7 +77,7 @@ import numpy as np
 
 SIZE, CROP = 256, 224
 EXAMPLES = Path(__file__).resolve().parent / "examples"
-LOADERS = ("elastic", "ray_data", "dataloader")
+LOADERS = ("elastic", "elastic_reader", "ray_data", "dataloader")
 # data.reader of the elastic loaders: "elastic" is the default (auto); "elastic_ray_data"
 # (only with --only) the Ray Data path.
 ELASTIC = {"elastic": "auto", "elastic_ray_data": "ray_data"}
@@ -265,11 +273,12 @@ def task_kwargs(workload: str, data: Path) -> dict:
     return {"tokenizer": str(data / "tokenizer.json")} if workload == "tokens" else {}
 
 
-def _steady(marks: list[tuple[float, int, int]]) -> dict:
-    """``marks``: (time s, epoch, rows) per batch in order. Rows of the epochs after the
-    first over the time from the first epoch's last batch to the last batch."""
-    first = [t for t, e, _ in marks if e == 0]
-    later = [(t, n) for t, e, n in marks if e > 0]
+def _steady(marks: list[tuple[float, int, int]], warmup: int = 1) -> dict:
+    """``marks``: (time s, epoch, rows) per batch in order. Rows of the epochs from
+    ``warmup`` on over the time from the last warm-up epoch's last batch to the last
+    batch."""
+    first = [t for t, e, _ in marks if e < warmup]
+    later = [(t, n) for t, e, n in marks if e >= warmup]
     if not first or not later:
         return {"rows_per_s": float("nan"), "batches": len(marks)}
     dt = later[-1][0] - first[-1]
@@ -277,17 +286,15 @@ def _steady(marks: list[tuple[float, int, int]]) -> dict:
             "batches": len(marks)}
 
 
-def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: int,
-                epochs: int, reader: str = "auto") -> dict:
-    from elastic_ddp import Diagnostics, train
+def elastic_config(data: Path, run: Path, task_path: Path, workload: str, batch: int,
+                   epochs: int, reader: str = "auto", **data_extra):
+    """The elastic loader's job: 1 worker of 1 CPU, the whole batch in one micro-batch, a
+    checkpoint at each epoch's end only; ``data_extra``: more ``data.*`` fields."""
     from elastic_ddp.config import Config
-    from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.ledger import audit
 
-    run = tmp / f"elastic-{time.time_ns()}"
-    cfg = Config.from_dict({
+    return Config.from_dict({
         "seed": 0, "data": {"train_path": str(data / "train"), "id_column": "sample_id",
-                              "reader": reader},
+                              "reader": reader, **data_extra},
         "task": {"path": f"{task_path}:{TASK_CLASS[workload]}", "kwargs": task_kwargs(workload, data)},
         "optim": {"name": "sgd", "lr": 0.001, "warmup_steps": 0},
         "batch": {"global_batch_size": batch, "micro_batch_size": batch},
@@ -295,30 +302,162 @@ def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: in
         "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
         "run": {"name": "bench-feed", "experiment_name": "bench-feed",
                 "tracking_uri": f"sqlite:///{run / 'mlflow.db'}", "storage_path": str(run / "ray_results")}})
-    ledger = run / "ledger"
-    t0 = time.time()
-    train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
+
+
+def ledger_marks(ledger: Path) -> list[tuple[float, int, int]]:
+    """(time s, epoch, rows) of each step rank 0 recorded, in step order."""
     marks = []
     for f in sorted(ledger.glob("attempt-*-rank0.jsonl")):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
             if "step" in rec and "t" in rec:
                 marks.append((rec["step"], rec["t"], rec["epoch"], len(rec["ids"])))
-    marks.sort()
+    return [(t, e, n) for _, t, e, n in sorted(marks)]
+
+
+def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: int,
+                epochs: int, reader: str = "auto", warmup: int = 1) -> dict:
+    from elastic_ddp import Diagnostics, train
+    from elastic_ddp.data.scan import read_sample_ids
+    from elastic_ddp.ledger import audit
+
+    run = tmp / f"elastic-{time.time_ns()}"
+    ledger = run / "ledger"
+    t0 = time.time()
+    train(elastic_config(data, run, task_path, workload, batch, epochs, reader),
+          progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
+    marks = ledger_marks(ledger)
     rep = audit(ledger, read_sample_ids(data / "train"), epochs)
-    return {**_steady([(t, e, n) for _, t, e, n in marks]), "first_s": marks[0][1] - t0,
+    return {**_steady(marks, warmup), "first_s": marks[0][0] - t0, "ledger_ok": bool(rep["ok"])}
+
+
+def run_reader(data: Path, task, task_path: Path, workload: str, batch: int, epochs: int,
+               warmup: int = 1) -> dict:
+    """The elastic reader alone, as a rank of the elastic job uses it, in this process:
+    ``open_train_reader`` of each epoch (rank 0 of 1, ``data.reader`` at its default),
+    ``take`` of each step's rows and the task's collate, and the next epoch's reader
+    opened and prefetching once this epoch's last round is being read (as
+    ``worker.rank_loader`` does). No Ray Train job: no step, checkpoint, ledger or
+    tracking beside it. ``exact``: every epoch took every row exactly once."""
+    from elastic_ddp.data.readers import open_train_reader
+    from elastic_ddp.data.scan import read_sample_ids, scan_parquet
+
+    cfg = elastic_config(data, Path(tempfile.gettempdir()), task_path, workload, batch, epochs)
+    info = scan_parquet(data / "train", task.columns, "sample_id")
+    ids = np.sort(read_sample_ids(data / "train"))
+    seen: dict[int, list] = {}
+
+    def gen():
+        nxt = None
+        for epoch in range(epochs):
+            _, rd = nxt or open_train_reader(info, task, cfg, 0, 1, epoch, 0, batch)
+            nxt = None
+            for c in range(0, info.num_rows, batch):
+                rows = rd.take(c, min(batch, info.num_rows - c))
+                seen.setdefault(epoch, []).append(rows["sample_id"])
+                if nxt is None and epoch + 1 < epochs and rd.last_round_started:
+                    nxt = open_train_reader(info, task, cfg, 0, 1, epoch + 1, 0, batch)
+                    nxt[1].prefetch()
+                yield epoch, task.collate(rows)
+
+    r = _timed(gen(), COUNT[workload], warmup)
+    r["exact"] = all(np.array_equal(np.sort(np.concatenate(seen[e])), ids) for e in range(epochs))
+    return r
+
+
+def run_scale_out(data: Path, tmp: Path, task_path: Path, workload: str, batch: int,
+                  epochs: int, join_epoch: int, node_cpus: int, read_tasks: int, join: bool = True) -> dict:
+    """The elastic job with ``data.reader: ray_data``, ``data.task_cpus: 1`` and
+    ``data.read_tasks: read_tasks`` on a local multi-node cluster whose head (the
+    trainer's node) has 2 CPUs: 1 for the training worker, 1 for the data path. Once the
+    ledger shows epoch ``join_epoch`` started, a CPU-only node of ``node_cpus`` CPUs joins
+    as a real one does (``ray start --address <head> --block``, its own raylet;
+    stopped with SIGTERM at the end) (``join=False``: none joins, the control run).
+    Returns each epoch's last step time (``ends``) and rows, ``after_from``: two epochs
+    after the first one read with the node alive, the seconds from the join to the node being alive,
+    and the ledger audit."""
+    import signal
+    import subprocess
+    import threading
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from elastic_ddp import Diagnostics, train
+    from elastic_ddp.data.scan import read_sample_ids
+    from elastic_ddp.ledger import audit
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 2 * 2**30})
+    ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
+    run = tmp / f"scale-{time.time_ns()}"
+    ledger = run / "ledger"
+    stop, node = threading.Event(), {}
+
+    def watch() -> None:
+        while join and not stop.wait(0.2):
+            try:
+                started = any(e >= join_epoch for _, e, _ in ledger_marks(ledger))
+            except (OSError, ValueError):  # a line being written
+                continue
+            if started:
+                node["t"] = time.time()
+                node["proc"] = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "ray"), "start", "--address", cluster.address,
+                     "--num-cpus", str(node_cpus), "--object-store-memory", str(2**30), "--block",
+                     "--disable-usage-stats"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                while not stop.wait(0.2):
+                    if sum(n["Alive"] for n in ray.nodes()) > 1:
+                        node["alive_s"] = time.time() - node["t"]
+                        return
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        train(elastic_config(data, run, task_path, workload, batch, epochs, "ray_data",
+                             read_tasks=read_tasks, task_cpus=1),
+              progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
+    finally:
+        stop.set()
+        watcher.join()
+        if "proc" in node:
+            node["proc"].send_signal(signal.SIGTERM)
+            node["proc"].wait(60)
+        ray.shutdown()
+        cluster.shutdown()
+    marks = ledger_marks(ledger)
+    ends = {e: max(t for t, x, _ in marks if x == e) for e in range(epochs)}
+    rows = {e: sum(n for _, x, n in marks if x == e) for e in range(epochs)}
+    # The first epoch whose round was read with the node alive (the one after the first
+    # epoch that started once it was: its reader prefetched the next round then), plus
+    # two: the new node's first tasks start its Ray worker processes (imports, the
+    # task's set-up), once per node.
+    alive = node["t"] + node["alive_s"] if "alive_s" in node else None
+    after = next((e + 2 for e in range(2, epochs - 2) if alive is not None and ends[e - 2] >= alive), None)
+    rep = audit(ledger, read_sample_ids(data / "train"), epochs)
+    return {"ends": ends, "rows": rows, "after_from": after, "node_alive_s": node.get("alive_s"),
             "ledger_ok": bool(rep["ok"])}
 
 
-def _timed(batches, key: str) -> dict:
+def _rate(r: dict, epochs) -> float:
+    """Rows/s over ``epochs`` of a :func:`run_scale_out` result (each from the end of
+    the one before)."""
+    es = [e for e in epochs if e >= 1 and e in r["ends"]]
+    dt = sum(r["ends"][e] - r["ends"][e - 1] for e in es)
+    return sum(r["rows"][e] for e in es) / dt if es and dt > 0 else float("nan")
+
+
+def _timed(batches, key: str, warmup: int = 1) -> dict:
     """Steady rows/s (:func:`_steady`) over an iterator of (epoch, collated batch)."""
     t0, marks = time.perf_counter(), []
     for epoch, b in batches:
         marks.append((time.perf_counter(), epoch, len(b[key])))
-    return {**_steady(marks), "first_s": marks[0][0] - t0 if marks else float("nan")}
+    return {**_steady(marks, warmup), "first_s": marks[0][0] - t0 if marks else float("nan")}
 
 
-def run_ray_data(data: Path, task, workload: str, procs: int, batch: int, epochs: int) -> dict:
+def run_ray_data(data: Path, task, workload: str, procs: int, batch: int, epochs: int,
+                 warmup: int = 1) -> dict:
     import logging
 
     import ray.data
@@ -349,7 +488,7 @@ def run_ray_data(data: Path, task, workload: str, procs: int, batch: int, epochs
                 .map_batches(fn, batch_size=batch, batch_format="numpy", concurrency=procs)
             for b in ds.iter_torch_batches(batch_size=batch, collate_fn=task.collate):
                 yield epoch, b
-    return _timed(gen(), COUNT[workload])
+    return _timed(gen(), COUNT[workload], warmup)
 
 
 class _Batches:
@@ -375,7 +514,8 @@ class _Batches:
         return epoch, self.task.collate(out)
 
 
-def run_dataloader(data: Path, task, workload: str, procs: int, batch: int, epochs: int) -> dict:
+def run_dataloader(data: Path, task, workload: str, procs: int, batch: int, epochs: int,
+                   warmup: int = 1) -> dict:
     import pyarrow.parquet as pq
     from torch.utils.data import DataLoader
 
@@ -387,7 +527,7 @@ def run_dataloader(data: Path, task, workload: str, procs: int, batch: int, epoc
         arr[:] = t[c].to_pylist()
         columns[c] = arr
     ds = _Batches(t["sample_id"].to_numpy(), columns, task, batch, epochs)
-    return _timed(DataLoader(ds, batch_size=None, num_workers=procs, prefetch_factor=2), COUNT[workload])
+    return _timed(DataLoader(ds, batch_size=None, num_workers=procs, prefetch_factor=2), COUNT[workload], warmup)
 
 
 def table(workload: str, results: dict, procs: int) -> str:
@@ -414,17 +554,27 @@ def main(argv=None) -> int:
     p.add_argument("--procs", type=int, default=2, help="data-path processes per loader")
     p.add_argument("--batch", type=int, default=64, help="images per batch")
     p.add_argument("--token-batch", type=int, default=256, help="documents per batch")
-    p.add_argument("--epochs", type=int, default=3, help="the first is left out of the steady rate")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--warmup-epochs", type=int, default=2, help="epochs left out of the steady rate")
     p.add_argument("--repeat", type=int, default=1, help="interleaved rounds of the loaders")
     p.add_argument("--only", default=",".join(LOADERS))
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--scale-out", action="store_true",
+                   help="instead: the elastic job on a local multi-node cluster, a CPU-only node "
+                        "joining mid-run against a control run where none joins (the first of "
+                        "--workloads; run_scale_out)")
+    p.add_argument("--join-epoch", type=int, default=4, help="--scale-out: the epoch the node joins at")
+    p.add_argument("--node-cpus", type=int, default=2, help="--scale-out: the CPU-only node's CPUs")
+    p.add_argument("--read-tasks", type=int, default=3, help="--scale-out: data.read_tasks")
     a = p.parse_args(argv)
-    if a.epochs < 2:
-        p.error("--epochs must be >= 2 (the first epoch is left out of the steady rate)")
+    if a.warmup_epochs < 1 or a.epochs <= a.warmup_epochs:
+        p.error("--warmup-epochs must be >= 1 and --epochs larger (the steady rate is taken after the warm-up)")
     # One thread per data-path process: the tokenizer's Rust pool would otherwise take
     # every core (the environment is inherited by Ray's workers and the DataLoader's).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     out = Path(a.out)
+    if a.scale_out:
+        return scale_out(a, out)
     workloads = a.workloads.split(",")
     data = {}
     for w in workloads:
@@ -448,11 +598,13 @@ def main(argv=None) -> int:
                 for name in results[w]:
                     t = time.perf_counter()
                     if name in ELASTIC:
-                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs, ELASTIC[name])
+                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs, ELASTIC[name], a.warmup_epochs)
+                    elif name == "elastic_reader":
+                        r = run_reader(data[w], task, task_path, w, batch, a.epochs, a.warmup_epochs)
                     elif name == "ray_data":
-                        r = run_ray_data(data[w], task, w, a.procs, batch, a.epochs)
+                        r = run_ray_data(data[w], task, w, a.procs, batch, a.epochs, a.warmup_epochs)
                     else:
-                        r = run_dataloader(data[w], task, w, a.procs, batch, a.epochs)
+                        r = run_dataloader(data[w], task, w, a.procs, batch, a.epochs, a.warmup_epochs)
                     r["wall_s"] = time.perf_counter() - t
                     r["load"] = os.getloadavg()[0]
                     results[w][name].append(r)
@@ -463,6 +615,49 @@ def main(argv=None) -> int:
         print(table(w, results[w], a.procs))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "decoder": mod.DECODER, "results": results}, indent=1))
+    return 0
+
+
+def scale_out(a, out: Path) -> int:
+    """``--scale-out``: :func:`run_scale_out` with and without the join, interleaved,
+    ``--repeat`` rounds; prints each run and the medians of after / before."""
+    if a.join_epoch <= a.warmup_epochs or a.epochs < a.join_epoch + 5:
+        raise SystemExit("--scale-out needs --join-epoch > --warmup-epochs and --epochs >= --join-epoch + 5")
+    (w,) = a.workloads.split(",")[:1]
+    data = prepare(out / w, a.rows) if w == "images" else prepare_tokens(out / w, a.token_mib)
+    runs: dict[str, list] = {"join": [], "control": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        _, task_path = _task_module(Path(tmp))
+        for rnd in range(a.repeat):
+            for name in runs:
+                batch = a.batch if w == "images" else a.token_batch
+                r = run_scale_out(data, Path(tmp), task_path, w, batch, a.epochs,
+                                  a.join_epoch, a.node_cpus, a.read_tasks, join=name == "join")
+                if name == "join" and r["after_from"] is None:
+                    raise SystemExit("the node was alive too late for an 'after' window: more --epochs or --rows")
+                # The control's "after": the same epochs as this round's join run's.
+                after_from = r["after_from"] if name == "join" else runs["join"][-1]["after_from"]
+                r["before"] = _rate(r, range(a.warmup_epochs, a.join_epoch))
+                r["after"] = _rate(r, range(after_from, a.epochs))
+                r["load"] = os.getloadavg()[0]
+                runs[name].append(r)
+                print(f"round {rnd} {name}: before {r['before']:.0f} after (epochs {after_from}-"
+                      f"{a.epochs - 1}) {r['after']:.0f} rows/s, node alive after "
+                      f"{r['node_alive_s'] or 0:.1f} s, ledger ok {r['ledger_ok']}, load {r['load']:.1f}; "
+                      f"epochs' rows/s {[round(_rate(r, [e])) for e in range(1, a.epochs)]}", flush=True)
+    print(f"\nscale-out, {w}, data.reader ray_data, data.task_cpus 1, data.read_tasks {a.read_tasks}; "
+          f"head node 2 CPUs (1 training worker + 1 data); a CPU-only node of {a.node_cpus} CPUs "
+          f"joins at epoch {a.join_epoch} (join) or none does (control); rows/s of epochs "
+          f"{a.warmup_epochs}-{a.join_epoch - 1} (before) and from two epochs after the first one read "
+          "with the node alive to the end (after; the control: the same epochs):")
+    print(f"{'run':<8} {'before':>8} {'after':>8} {'after/before':>12}  rounds (after/before)  ledger")
+    for name, rs in runs.items():
+        ratios = [r["after"] / r["before"] for r in rs]
+        print(f"{name:<8} {statistics.median(r['before'] for r in rs):>8.0f} "
+              f"{statistics.median(r['after'] for r in rs):>8.0f} {statistics.median(ratios):>12.2f}  "
+              f"{' '.join(f'{x:.2f}' for x in ratios):<21}  {all(r['ledger_ok'] for r in rs)}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
     return 0
 
 
