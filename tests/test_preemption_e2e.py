@@ -368,46 +368,63 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resumes(
-        cluster, data, baseline, tmp_path):
-    """SIGTERM to ``elastic-ddp train`` (a Ray job being stopped): exit 143 after the
-    checkpoint at the next step boundaries, the MLflow run KILLED; the same command then
-    resumes it in the same run with no step recomputed and finishes exactly."""
-    ledger = tmp_path / "ledger"
-    cfg_file = tmp_path / "job.yaml"
-    cfg_file.write_text(yaml.safe_dump(_raw(data, tmp_path, "driver")))
-    script = tmp_path / "driver.py"
+def _stopped_driver(cluster, raw: dict, tmp: Path, ledger: Path, ready) -> tuple[list, dict]:
+    """``elastic-ddp train`` on ``raw`` (the CLI in a subprocess, with the test ledger),
+    SIGTERMed once ``ready()``: exit 143 after a checkpoint, the MLflow run KILLED.
+    Returns the command and environment that run it again."""
+    cfg_file = tmp / "job.yaml"
+    cfg_file.write_text(yaml.safe_dump(raw))
+    script = tmp / "driver.py"
     script.write_text(DRIVER)
     env = {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, str(script), str(cfg_file), str(ledger)]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: p.poll() is not None or max_step(ledger) >= 5, 300)
+    wait_until(lambda: p.poll() is not None or ready(), 300)
     assert p.poll() is None, p.communicate()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     print(out[-3000:], err[-3000:])
     assert p.returncode == 143, (p.returncode, err[-3000:])
     assert "stopped on SIGTERM at a checkpoint" in err and "run the same command to resume" in err, err
-    (run,) = mlflow_runs(tmp_path)
+    (run,) = mlflow_runs(tmp)
     assert run.info.status == "KILLED"
-    stopped_at = max_step(ledger)
-    assert 0 < stopped_at < 23, stopped_at
+    return cmd, env
 
+
+def _resumed_driver(cmd: list, env: dict, tmp: Path, ledger: Path, data: Path, baseline, name: str) -> dict:
+    """The same command again: exit 0, the same MLflow run FINISHED, every sample once
+    per epoch, the newest checkpoint the baseline's model. Returns the ledger audit."""
+    (run,) = mlflow_runs(tmp)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     print(again.stdout[-3000:], again.stderr[-3000:])
     assert again.returncode == 0, again.stderr[-3000:]
-    (run2,) = mlflow_runs(tmp_path)
+    (run2,) = mlflow_runs(tmp)
     assert run2.info.run_id == run.info.run_id and run2.info.status == "FINISHED"
     report = audit(ledger, train_ids(data), EPOCHS)
     print(format_audit(report))
-    assert report["ok"] and all((e["repeated"], e["lost"]) == (0, 0) for e in report["epochs"].values())
-    attempts = report["attempts"]
-    assert [a["resumed_from"] for a in attempts] == [0, stopped_at], attempts
-    assert attempts[0]["recomputed_steps"] == 0, attempts
-    ckpts = sorted((tmp_path / "ray_results" / "driver").glob("checkpoint_step*"))
+    assert report["ok"] and all((e["repeated"], e["lost"]) == (0, 0) for e in report["epochs"].values()), \
+        report["epochs"]
+    ckpts = sorted((tmp / "ray_results" / name).glob("checkpoint_step*"))
     got, ref = model_state(ckpts[-1]), model_state(baseline.checkpoint_path)
     for k in ref:
         assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+    return report
+
+
+def test_sigterm_to_the_driver_stops_at_a_checkpoint_and_the_same_command_resumes(
+        cluster, data, baseline, tmp_path):
+    """SIGTERM to ``elastic-ddp train`` (a Ray job being stopped): exit 143 after the
+    checkpoint at the next step boundaries, the MLflow run KILLED; the same command then
+    resumes it in the same run with no step recomputed and finishes exactly."""
+    ledger = tmp_path / "ledger"
+    cmd, env = _stopped_driver(cluster, _raw(data, tmp_path, "driver"), tmp_path, ledger,
+                               lambda: max_step(ledger) >= 5)
+    stopped_at = max_step(ledger)
+    assert 0 < stopped_at < 23, stopped_at
+    report = _resumed_driver(cmd, env, tmp_path, ledger, data, baseline, "driver")
+    attempts = report["attempts"]
+    assert [a["resumed_from"] for a in attempts] == [0, stopped_at], attempts
+    assert attempts[0]["recomputed_steps"] == 0, attempts
 
 
 def test_per_step_sigterm_to_the_driver_stops_every_replica_at_one_step_and_resumes(
@@ -417,44 +434,17 @@ def test_per_step_sigterm_to_the_driver_stops_every_replica_at_one_step_and_resu
     the MLflow run KILLED; the same command resumes in the same run from that step,
     recomputing none, and ends on the baseline's model with a clean per-step audit."""
     ledger = tmp_path / "ledger"
-    cfg_file = tmp_path / "job.yaml"
-    cfg_file.write_text(yaml.safe_dump(_deep_update(_raw(data, tmp_path, "ps-driver"), PER_STEP)))
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    env = {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, str(script), str(cfg_file), str(ledger)]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: p.poll() is not None or (replicas_together(ledger) and max_step(ledger) >= 5), 300)
-    assert p.poll() is None, p.communicate()
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
-    print(out[-3000:], err[-3000:])
-    assert p.returncode == 143, (p.returncode, err[-3000:])
-    assert "stopped on SIGTERM at a checkpoint" in err, err[-3000:]
-    (run,) = mlflow_runs(tmp_path)
-    assert run.info.status == "KILLED"
-    # Both replicas' last commit is the step the stop rode in.
+    cmd, env = _stopped_driver(cluster, _deep_update(_raw(data, tmp_path, "ps-driver"), PER_STEP), tmp_path,
+                               ledger, lambda: replicas_together(ledger) and max_step(ledger) >= 5)
+    # Both replicas' last commit is the step the stop rode in, the newest checkpoint's.
     last = {h["rank"]: max(r["commit"] for r in recs if "commit" in r) for h, recs in _ledger_files(ledger)}
     assert len(last) == 2 and len(set(last.values())) == 1, last
     stopped_at = next(iter(last.values()))
     assert 0 < stopped_at < STEPS, stopped_at
     ckpts = sorted((tmp_path / "ray_results" / "ps-driver").glob("checkpoint_step*"))
     assert ckpts and ckpts[-1].name == f"checkpoint_step{stopped_at:08d}", ckpts
-
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    print(again.stdout[-3000:], again.stderr[-3000:])
-    assert again.returncode == 0, again.stderr[-3000:]
-    (run2,) = mlflow_runs(tmp_path)
-    assert run2.info.run_id == run.info.run_id and run2.info.status == "FINISHED"
-    report = audit(ledger, train_ids(data), EPOCHS)
-    print(format_audit(report))
-    assert report["ok"] and not report["problems"], report["problems"]
-    assert all((e["repeated"], e["lost"]) == (0, 0) for e in report["epochs"].values()), report["epochs"]
-    assert not report["recomputed_steps"], report["recomputed_steps"]
-    ckpts = sorted((tmp_path / "ray_results" / "ps-driver").glob("checkpoint_step*"))
-    got, ref = model_state(ckpts[-1]), model_state(baseline.checkpoint_path)
-    for k in ref:
-        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+    report = _resumed_driver(cmd, env, tmp_path, ledger, data, baseline, "ps-driver")
+    assert not report["problems"] and not report["recomputed_steps"], report
 
 
 def test_per_step_a_fault_after_a_replacement_names_the_replacement(cluster, data, tmp_path):
