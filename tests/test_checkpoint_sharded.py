@@ -315,6 +315,20 @@ def _single(tmp_path: Path, steps: list[int]):
     return mgr, build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
 
 
+def test_unreported_checkpoints_past_the_newest_k_are_removed_and_the_newest_restores(tmp_path):
+    # A partial quorum's lead writes unreported checkpoints (manifest reported: false),
+    # which Ray Train's num_to_keep never removes: prune_unreported keeps the newest K.
+    mgr, fresh = _single(tmp_path, [2, 4, 6, 8, 10])
+    base = tmp_path / RUN
+    assert all(json.loads((d / MANIFEST).read_text())["reported"] is False for d in base.iterdir())
+    removed = mgr.prune_unreported(2)
+    assert sorted(Path(p).name for p in removed) == [checkpoint_name(k) for k in (2, 4, 6)]
+    assert sorted(d.name for d in base.iterdir()) == [checkpoint_name(k) for k in (8, 10)]
+    assert mgr.prune_unreported(2) == []
+    run_state, path = mgr.restore(fresh)
+    assert run_state["progress"]["step"] == 10 and path.endswith(checkpoint_name(10))
+
+
 def _flip_a_weight(shard: Path, step: int) -> str:
     """Negate one of step ``step``'s model tensors where it lies in ``shard``: the file
     keeps its size and still loads (only the checksum can tell); returns the key."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import digits_config, mlflow_runs, replay_plain_torch
+from elastic_ddp.checkpoint import checkpoint_step
 from elastic_ddp.config import Config, ConfigError
 from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.driver.launcher import train
@@ -71,6 +73,19 @@ def test_a_replica_killed_mid_epoch_is_replaced_alone_and_the_run_stays_exact(
     assert commits[replacement][0]["commit"] > 6 and commits[replacement][-1]["commit"] == steps
     # The survivor committed steps alone (quorum of 1) while rank 0 was replaced.
     assert any(c["n"] == 1 for c in commits[survivor[0]] if 5 <= c["commit"] < commits[replacement][0]["commit"])
+
+    # Its checkpoints while alone (a partial quorum: Ray Train's report would wait for the
+    # replica outside it) went straight to storage, unreported, pruned to the newest
+    # train.keep_checkpoints; the full quorum's checkpoints after it are reported ones.
+    lone = [c["commit"] for c in commits[survivor[0]] if c["n"] == 1]
+    due = [k for k in lone if k % 20 == 0 or k % (steps // EPOCHS) == 0]
+    assert due, f"no checkpoint step while the survivor was alone ({lone[:3]}..{lone[-3:]})"
+    manifests = {checkpoint_step(m.parent.name): json.loads(m.read_text())
+                 for m in (Path(cfg.run.storage_path) / cfg.run.name).glob("checkpoint_step*/manifest.json")}
+    unreported = sorted(k for k, m in manifests.items() if m.get("reported") is False)
+    keep = cfg.train.keep_checkpoints
+    assert unreported == due[-keep:], (unreported, due, sorted(manifests))
+    assert max(manifests) == steps and manifests[steps].get("reported", True) is True
 
     # The uninterrupted training of the same global batches, in one process: the same
     # model up to float reassociation (a lone replica sums two micro-batches where the

@@ -486,3 +486,56 @@ def test_per_step_a_fault_after_a_replacement_names_the_replacement(cluster, dat
     report = audit(ledger, train_ids(data), 4)
     print(format_audit(report))
     assert report["ok"] and not report["problems"], report["problems"]
+
+
+def test_per_step_sigterm_to_the_last_live_replica_checkpoints_before_it_leaves(cluster, data, baseline, tmp_path):
+    """Per-step mode: one replica is SIGKILLed and the survivor, alone in its quorum while
+    Ray starts the replacement, gets SIGTERM. The live state would leave with it, so it
+    commits a checkpoint of its last step before it leaves (a partial quorum's: written
+    to storage unreported); the new replicas resume there, no step after it redone."""
+    from elastic_ddp.checkpoint import MANIFEST, checkpoint_name
+    from elastic_ddp.config import Config
+
+    ledger = tmp_path / "ledger"
+    cfg = Config.from_dict(_deep_update(_deep_update(_raw(data, tmp_path, "ps-last"), PER_STEP),
+                                        {"scaling": {"max_failures": 3}}))
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+                                          progress=False))
+    wait_until(lambda: not th.is_alive() or replicas_together(ledger), 300)
+    assert th.is_alive(), result
+    victim, last = sorted(w["pid"] for w in _workers())
+    os.kill(victim, signal.SIGKILL)
+    t_kill = time.time()
+
+    def alone() -> bool:  # the survivor committed a step in a quorum of itself alone
+        return any(r.get("n") == 1 and r.get("t", 0) > t_kill for h, recs in _ledger_files(ledger)
+                   for r in recs if "commit" in r)
+
+    wait_until(lambda: not th.is_alive() or alone(), 120)
+    assert th.is_alive(), result
+    os.kill(last, signal.SIGTERM)
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    s = result["summary"]
+    print(json.dumps(s.events, indent=1, default=str))
+    (pre,) = [e for e in s.events if e["type"] == "preemption"]
+    step = pre["left_after_step"]
+    assert pre["source"] == "sigterm" and 0 < step < STEPS, pre
+    assert (pre["resumed_at_step"], pre["steps_recomputed"]) == (step, 0), pre
+    manifest = json.loads((Path(cfg.run.storage_path) / cfg.run.name / checkpoint_name(step) / MANIFEST).read_text())
+    assert manifest["step"] == step and manifest["reported"] is False, manifest
+    report = audit(ledger, train_ids(data), EPOCHS)
+    print(format_audit(report))
+    for ep, e in report["epochs"].items():
+        assert (e["repeated"], e["lost"], e["unknown"], e["steps"]) == (0, 0, 0, STEPS // EPOCHS), (ep, e)
+    assert report["ok"] and not report["problems"], report["problems"]
+    # No commit of a step at or before the leave after it: the new replicas began past it.
+    after = [r["commit"] for h, recs in _ledger_files(ledger) if h["t"] > t_kill for r in recs
+             if "commit" in r and r["t"] > pre["noticed_t"] + pre["notice_to_leave_s"]]
+    assert after and min(after) == step + 1, sorted(after)[:5]
+    assert s.steps == STEPS
+    got, ref = model_state(s.checkpoint_path), model_state(baseline.checkpoint_path)
+    for k in ref:
+        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k

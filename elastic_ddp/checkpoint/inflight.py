@@ -117,7 +117,8 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
         try:
             future.result()
             records = manager.records(fs, dest, dest, lead, True, fault_hook)
-            manager.finish_write(fs, dest, step, run_state, records, lead, group=group)
+            manager.finish_write(fs, dest, step, run_state, records, lead, group=group,
+                                 reported=report)
         except BaseException as e:  # noqa: BLE001 - raised in the step loop at the commit
             p.error = e
 

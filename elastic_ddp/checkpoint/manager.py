@@ -154,7 +154,7 @@ class CheckpointManager:
         finally:
             if not local:
                 shutil.rmtree(target, ignore_errors=True)
-        self.finish_write(fs, dest, step, run_state, records, lead)
+        self.finish_write(fs, dest, step, run_state, records, lead, reported=report)
         if report:
             self._report(metrics, fs, dest, name, lead)
         return dest
@@ -178,11 +178,12 @@ class CheckpointManager:
         return records
 
     def finish_write(self, fs, dest: str, step: int, run_state: dict, records: dict, lead: bool,
-                group=None) -> None:
-        """Gather every rank's file records; rank 0 writes the small files and the manifest."""
+                group=None, reported: bool = True) -> None:
+        """Gather every rank's file records; rank 0 writes the small files and the manifest
+        (``reported``: whether the checkpoint is committed through ``ray.train.report``)."""
         files = self._gather(records, group)
         if lead:
-            self._write_small(fs, dest, step, run_state, files)
+            self._write_small(fs, dest, step, run_state, files, reported)
 
     def _report(self, metrics, fs, dest: str, name: str, lead: bool) -> None:
         import ray.train
@@ -213,8 +214,11 @@ class CheckpointManager:
         if p.report:
             self._report(p.metrics, p.fs, p.dest, p.name, self.rank == 0)
 
-    def _write_small(self, fs, dest: str, step: int, run_state: dict, files: dict) -> None:
-        """run_state.json, config.json, then the manifest (to a temporary name, moved)."""
+    def _write_small(self, fs, dest: str, step: int, run_state: dict, files: dict,
+                     reported: bool = True) -> None:
+        """run_state.json, config.json, then the manifest (to a temporary name, moved).
+        The manifest's ``reported: false`` marks a checkpoint Ray Train never registers
+        (a partial quorum's): ``prune_unreported`` removes those, Ray Train its own."""
         small = {RUN_STATE: json.dumps({"format": FORMAT, **run_state}, indent=1).encode()}
         if self.config is not None:
             small[CONFIG] = json.dumps(self.config, indent=2).encode()
@@ -225,9 +229,29 @@ class CheckpointManager:
         manifest = {"format": FORMAT, "step": step, "world_size": self.world_size,
                     "strategy": self.strategy_name, "checksum": ALGO,
                     "files": dict(sorted(files.items()))}
+        if not reported:
+            manifest["reported"] = False
         with fs.open_output_stream(f"{dest}/{MANIFEST}.tmp") as out:
             out.write(json.dumps(manifest, indent=1).encode())
         fs.move(f"{dest}/{MANIFEST}.tmp", f"{dest}/{MANIFEST}")
+
+    def prune_unreported(self, keep: int) -> list[str]:
+        """Remove the run's unreported checkpoints (manifest ``reported: false``) that are
+        not among its ``keep`` newest complete ones; returns their paths. Ray Train's
+        ``CheckpointConfig(num_to_keep)`` removes only the checkpoints it registered, so
+        without this a run whose quorum stays partial would keep every one it wrote.
+        Reported ones are left to Ray Train. Costs a listing and a manifest read per
+        checkpoint past the newest ``keep``."""
+        fs, _ = run_dir(self.storage, self.run_name)
+        removed = []
+        for _, path in complete_checkpoints(self.storage, self.run_name)[keep:]:
+            try:
+                if read_manifest(fs, path).get("reported", True) is False:
+                    fs.delete_dir(path)
+                    removed.append(path)
+            except (OSError, ValueError) as e:  # gone already, or unreadable: left as it is
+                self.log(f"elastic-ddp: warning: could not remove the unreported checkpoint {path}: {e}")
+        return removed
 
     # --------------------------------------------------------------------- restore
     def restore(self, strategy, ray_checkpoint=None) -> Optional[tuple[dict, str]]:

@@ -17,8 +17,8 @@ The settings and the three torchft/Ray pitfalls the recipe avoids (docs/design.m
   (the survivor died with its peer), so gradients go through one flat
   ``manager.allreduce(SUM)`` per step instead of the DDP wrapper;
 - ``ray.train.report`` is a barrier over every world rank, which a replacement still
-  starting never reaches: durable checkpoints are reported only by a full quorum; a
-  final state written by a partial quorum goes straight to storage;
+  starting never reaches: checkpoints are reported only by a full quorum; a
+  partial quorum's lead writes its checkpoints straight to storage;
 - a replacement that starts after the others finished would form a quorum alone at step 0
   and retrain from scratch: a done marker, keyed by the run's lighthouse address, stops it
   (checked before its first quorum, and after every quorum it is alone in: the last
@@ -45,7 +45,7 @@ run (``build``): ``RestartFaultTolerance`` in ``restart`` mode (the plain DDP st
 Train restarts the group on a failure), ``PerStepFaultTolerance`` in ``per_step`` mode
 (torchft, imported only there: ``pip install 'elastic-ddp[ft]'``). Both have the same
 interface: ``begin_step``, ``loss_weight``, ``sync_gradients``, ``ledger_extra``,
-``may_report``, ``write_final``, ``state_dict``/``load_state_dict``, ``fit`` and ``roles``
+``may_report``, ``write_unreported``, ``state_dict``/``load_state_dict``, ``fit`` and ``roles``
 (``elastic_ddp.worker.roles``).
 """
 
@@ -310,7 +310,7 @@ class RestartFaultTolerance:
         """Whether ``ray.train.report`` (a barrier over every world rank) may be called."""
         return True
 
-    def write_final(self) -> None:
+    def write_unreported(self) -> None:
         """Never called: every checkpoint is reported (``may_report``)."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -382,7 +382,14 @@ class PerStepFaultTolerance:
             RunOver: alone in its quorum after another replica finished the run (a
                 replacement that passed the done-marker check in ``fit`` just before the
                 last replica finished: alone it would retrain the run from step 0)."""
-        got = self.group.begin(self.leave, self.t.progress.step)
+        t = self.t
+        if self.group.leaving and self.group.participants == 1 and t.checkpointed_step != t.progress.step:
+            # The last step was a quorum of this replica alone: the live state leaves with
+            # it, so it commits a checkpoint of that step first (a replacement would else
+            # restart from an older one and redo the steps since).
+            t.log(f"leaving alone in its quorum at step {t.progress.step}: committing a checkpoint")
+            t.checkpoint({})
+        got = self.group.begin(self.leave, t.progress.step)
         if self.group.participants == 1 and self.marker is not None and self.marker.exists():
             raise RunOver(f"rank {self.t.rank}: the run is over (done marker {self.marker})")
         return got
@@ -433,18 +440,32 @@ class PerStepFaultTolerance:
     # -- checkpoints, the end ------------------------------------------------------------
     def may_report(self) -> bool:
         """Checkpoints are reported (a barrier over every world rank) only by a full
-        quorum; the run's final state from a partial quorum goes straight to storage
-        (``write_final``, by the lead)."""
+        quorum; a partial quorum's go straight to storage (``write_unreported``, by the
+        lead)."""
         return self.group.full
 
-    def write_final(self) -> None:
-        """The final state straight to storage, by this replica alone (no report: Ray
-        Train's barrier would wait for replicas outside the quorum)."""
+    def write_unreported(self) -> None:
+        """A checkpoint of a partial quorum (periodic, at a notice or the run's last):
+        every participant commits its step time, the lead writes the state straight to
+        storage (no report: Ray Train's barrier would wait for the replicas outside the
+        quorum) and removes its older unreported ones beyond ``train.keep_checkpoints``
+        (``CheckpointManager.prune_unreported``). A restore reads storage first
+        (``CheckpointManager.restore``), so the run's durable state keeps up with its
+        committed steps while a replacement is starting or healing: when the last live
+        replica then dies, the restart redoes at most a checkpoint interval. What it
+        costs: the lead's synchronous write, which the other participants wait out in
+        their next all-reduce (as a full quorum waits out a reported one)."""
         t = self.t
         c = t.counters
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
-        t.ckpt.save(t.progress.step, t.strategy, t.run_state(), report=False, writer=True)
+        if not t.roles.lead:
+            return
+        path = t.ckpt.save(t.progress.step, t.strategy, t.run_state(), report=False, writer=True)
+        removed = t.ckpt.prune_unreported(t.cfg.train.keep_checkpoints)
+        t.log(f"checkpoint of a quorum of {self.group.participants} of {t.world_size} at step "
+              f"{t.progress.step} written unreported: {path}"
+              + (f" (removed {len(removed)} older unreported)" if removed else ""))
 
     def fit(self, loop: Callable[[], None]) -> None:
         """Run ``loop`` (the trainer's) between the done-marker check and torchft's

@@ -74,6 +74,7 @@ class Trainer:
         self.counters = Counters()
         self.resumed_from: Optional[int] = None
         self.restored_path: Optional[str] = None  # the checkpoint restore() loaded
+        self.checkpointed_step: Optional[int] = None  # the step of the last checkpoint() call
         self.tracker = TrackerClient(job.tracker, enabled=self.roles.may_log)
         # Fault injection of tests and experiments only (Diagnostics.fault): None in a job.
         self.fault = Fault(job.fault, rank) if job.fault else None
@@ -145,7 +146,7 @@ class Trainer:
             self.at("restore", self.progress.step)
             self.load_run_state(run_state)
             self.counters.restarts += 1
-            self.resumed_from = self.progress.step
+            self.resumed_from = self.checkpointed_step = self.progress.step
             self.log(f"resume_step={self.progress.step} epoch={self.progress.epoch + 1} "
                      f"cursor={self.progress.cursor} from {path}")
         self.counters.world_sizes_seen.append(self.world_size)
@@ -162,10 +163,12 @@ class Trainer:
     def checkpoint(self, metrics: dict[str, float], final: bool = False) -> None:
         """Commit the state (every rank calls it); the steps since the last checkpoint
         become committed time. ``final``: the run's last one. Where the mode may not
-        report (``ft.may_report``), only the lead writes the final state, to storage."""
+        report (``ft.may_report``: a partial quorum), the lead writes the state to storage
+        unreported (``ft.write_unreported``), where a restore finds it."""
+        self.checkpointed_step = self.progress.step
         if not self.ft.may_report():
-            if final and self.roles.lead:
-                self.ft.write_final()
+            self.at("checkpoint", self.progress.step)
+            self.ft.write_unreported()
             return
         self.at("checkpoint", self.progress.step)
         c = self.counters
