@@ -335,7 +335,7 @@ REPLICA = textwrap.dedent("""
     import torch
     from torch.distributed import TCPStore
     from elastic_ddp.notice import Preempted
-    from elastic_ddp.worker.fault_tolerance import ReplicaGroup
+    from elastic_ddp.worker.per_step import ReplicaGroup
     from elastic_ddp.worker.notice import ReplicaLeave, install_sigterm_handler
 
     rank, lighthouse, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -376,7 +376,7 @@ STEP_S = 0.2
 def _replicas(tmp_path, steps: int = 100_000):
     from torchft.coordination import LighthouseServer
 
-    from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
+    from elastic_ddp.worker.per_step import LIGHTHOUSE
 
     lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
     script = tmp_path / "replica.py"
@@ -398,7 +398,7 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
     quorum forms without it and it redoes no step. SIGKILL, for comparison: the step in
     flight fails and is redone. Both print the survivor's longest gap between two
     committed steps."""
-    from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
+    from elastic_ddp.worker.per_step import LIGHTHOUSE
 
     lighthouse, procs, logs = _replicas(tmp_path)
 

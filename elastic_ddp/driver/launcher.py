@@ -191,7 +191,7 @@ def build_trainer(cfg: Config, job, tracker):
         # Every supported Ray has it (compat.versions.TORCHFT_RAY).
         from ray.train.v2.torch.torchft_config import TorchftConfig
 
-        from elastic_ddp.worker.fault_tolerance import LIGHTHOUSE
+        from elastic_ddp.worker.per_step import LIGHTHOUSE
 
         # max_workers replica groups of one worker; a quorum below it still commits, and
         # Ray replaces a dead replica alone (a different worker count would restart all).
@@ -354,7 +354,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             trainer.controller_host = host
         marks["fit_called"] = time.time()
         # SIGTERM: a checkpoint, then exit 143 (restart mode: at the notice agreement; per_step
-        # mode: the stop rides in a step's all-reduce, worker.fault_tolerance).
+        # mode: the stop rides in a step's all-reduce, worker.per_step).
         stop = SigtermStop(host, enabled=job.preemption)
         early_term.release()
         try:

@@ -46,10 +46,10 @@ knows a rank killed before the checkpoint had been given notice.
 
 Per-step mode needs no agreement: every step is already agreed by its quorum, and a
 replica that stops asking for quorums is dropped by torchft's lighthouse once its
-heartbeat is older than ``heartbeat_timeout_ms`` (``fault_tolerance.LIGHTHOUSE``; torchft
+heartbeat is older than ``heartbeat_timeout_ms`` (``per_step.LIGHTHOUSE``; torchft
 0.2.0 has no call that leaves a quorum). At the first step boundary with a notice held,
 the replica takes part in one more step, stopping its torchft Manager (its heartbeat) as
-soon as that step's quorum is decided (``fault_tolerance.ReplicaGroup.begin``; after the
+soon as that step's quorum is decided (``per_step.ReplicaGroup.begin``; after the
 step's all-reduce where the members changed, as a healer needs its source's Manager);
 after that step (and the checkpoint there, if one is due: ``ray.train.report`` is a
 barrier over every replica) :meth:`ReplicaLeave.check` raises ``Preempted(left=True)``.
@@ -61,7 +61,7 @@ node, which a thread of the replica asks the GCS about every
 ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S`` seconds (1; ``compat.ray_train.node_drain``: Ray
 Train runs no preemption watcher for replica groups). The driver's stop is not a leave:
 it rides in every step's all-reduce and every replica stops after the same committed step
-(``fault_tolerance.PerStepFaultTolerance.stop_here``). Costs: one dict read per step, and
+(``per_step.PerStepFaultTolerance.stop_here``). Costs: one dict read per step, and
 one GCS call a second per replica.
 """
 
