@@ -221,3 +221,37 @@ def test_the_tracker_counts_restarts_across_submissions(tmp_path, mlflow_store):
     tags = client.get_run(run_id).data.tags
     assert tags["elastic_ddp.attempts"] == "3"
     assert json.loads(tags["elastic_ddp.world_sizes_seen"]) == [2, 1, 2]
+
+
+def test_per_step_attempts_are_per_replica_and_a_failure_joins_its_own_ranks_replacement(tmp_path, mlflow_store):
+    """Per-step mode: every replica records its own attempt (rank named), and a
+    failure's recovery is the failed rank's replacement, resumed at the step before its
+    first commit: one that healed from a live survivor recomputes nothing, even though it
+    restored an older checkpoint first; one with no survivor left recomputes the steps
+    since the checkpoint it restored."""
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.driver.report import recovery_events
+    from elastic_ddp.tracking import JobTracker
+
+    client = MlflowClient(mlflow_store)
+    run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "a"))).info.run_id
+    tr = JobTracker(mlflow_store, run_id)
+    t = 1_796_000_000.0
+    tr.attempt(enter=t, ready=t + 1, world_size=2, resumed_from=0, rank=0)
+    tr.attempt(enter=t, ready=t + 1, world_size=2, resumed_from=0, rank=1)
+    tr.attempt(first_step=t + 2, step=1, rank=1)  # a first step updates its own rank's attempt
+    tr.attempt(first_step=t + 3, step=1, rank=0)
+    assert [(a["rank"], a["first_step"]) for a in tr.attempts] == [(0, t + 3), (1, t + 2)]
+    # Rank 1 dies at step 500 (the survivor, rank 0, goes on); its replacement restores
+    # the checkpoint of step 400 and heals from rank 0 to step 530 at its first commit.
+    tr.attempt(enter=t + 101, ready=t + 102, world_size=2, resumed_from=400, rank=1)
+    tr.attempt(first_step=t + 110, step=531, rank=1)
+    # Then rank 0 dies at step 900 with rank 1 gone too: its replacement restores step 880.
+    tr.attempt(enter=t + 201, ready=t + 202, world_size=2, resumed_from=880, rank=0)
+    tr.attempt(first_step=t + 210, step=881, rank=0)
+    events = [{"type": "failure", "t": t + 100, "failed_ranks": [1], "last_step_seen": 500},
+              {"type": "failure", "t": t + 200, "failed_ranks": [0], "last_step_seen": 900}]
+    healed, restarted = recovery_events({"events": events, "attempts": tr.attempts})
+    assert (healed["resumed_at_step"], healed["steps_recomputed"], healed["recovery_s"]) == (530, 0, 10.0), healed
+    assert (restarted["resumed_at_step"], restarted["steps_recomputed"]) == (880, 20), restarted

@@ -68,7 +68,8 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
     (worker start, checkpoint load, data and the first step included);
     ``resumed_at_step``; ``steps_recomputed`` = steps the failed attempt ran past the
     checkpoint the next one resumed from (a per-step replica's leave, ``left_quorum``,
-    keeps its own: 0). From the ledger (``ledger_attempts``,
+    keeps its own: 0; per-step mode: the failed rank's replacement, resumed at the step
+    before its first commit). From the ledger (``ledger_attempts``,
     ``elastic_ddp.ledger.read_attempts``) it is exact; without it, a lower bound from the
     steps the tracker saw (logged every ``train.log_every_steps``).
     """
@@ -78,6 +79,13 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
     prev_attempt = None
     for ev in events:
         nxt = [a for a in attempts if a["first_step"] > ev["t"]]
+        # Per-step mode (attempts name their replica's rank): the failure's recovery is the
+        # replacement of a failed rank. It resumes at the step before its first commit:
+        # a live quorum's step when it healed from a survivor (nothing recomputed), the
+        # restored checkpoint's when none was left.
+        failed = set(ev.get("failed_ranks") or ())
+        if failed and any("rank" in a for a in nxt):
+            nxt = [{**a, "resumed_from": int(a.get("step", 1)) - 1} for a in nxt if a.get("rank") in failed]
         # Not a restart: a rejected checkpoint, or a per-step replica that left its quorum
         # (the others never stopped; the event carries its own resumed_at_step and
         # steps_recomputed).

@@ -118,13 +118,16 @@ class JobTracker:
     def attempt(self, **marks: Any) -> None:
         """A worker group (re)started: rank 0 reports its world size and ``enter``/``ready``
         marks (and the finer start marks of ``worker.entry.start_marks``); ``first_step``
-        marks (with ``step``) update the newest attempt. All of them are written as the
-        artifact ``events/attempts.json`` (seconds since the epoch)."""
+        marks (with ``step``) update the newest attempt. Per-step mode: every replica
+        reports its own, with its ``rank``; a ``first_step`` mark updates the newest of
+        that rank. All of them are written as the artifact ``events/attempts.json``
+        (seconds since the epoch)."""
         with self._lock:
-            if "enter" in marks or not self.attempts:
+            mine = [a for a in self.attempts if a.get("rank") == marks.get("rank")]
+            if "enter" in marks or not mine:
                 self.attempts.append(dict(marks))
             else:
-                self.attempts[-1].update(marks)
+                mine[-1].update(marks)
             self._artifacts["events/attempts.json"] = json.dumps(self.attempts, indent=1)
         if "first_step" in marks:
             self._go.set()

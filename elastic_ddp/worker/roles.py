@@ -6,6 +6,9 @@
   split, or None when it does not evaluate.
 - ``records_start``: counts a worker-group start and sets the attempt's tags (world rank
   0 in both modes: the count is per worker-group start, not per quorum).
+- ``records_attempt``: sends its start and first-step marks (``events/attempts.json``,
+  the recovery table's join): world rank 0 in ``restart`` mode, every replica in
+  ``per_step`` mode (a replacement is the recovery of its own rank's failure).
 - ``may_log``: holds a live tracker client (the lead may send; ``records_start`` does).
 
 ``restart``: the worker group is one DDP job, world rank 0 leads, every rank evaluates
@@ -39,6 +42,10 @@ class RestartRoles:
         return self.rank == 0
 
     @property
+    def records_attempt(self) -> bool:
+        return self.rank == 0
+
+    @property
     def may_log(self) -> bool:
         return self.rank == 0
 
@@ -66,6 +73,10 @@ class PerStepRoles:
     @property
     def records_start(self) -> bool:
         return self.rank == 0
+
+    @property
+    def records_attempt(self) -> bool:
+        return True
 
     @property
     def may_log(self) -> bool:

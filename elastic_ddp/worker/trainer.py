@@ -195,9 +195,14 @@ class Trainer:
         self.ledger = LedgerWriter(self.job.ledger_dir, self.rank, self.resumed_from, self.world_size,
                                    self.ft.ledger_mode)
         starts = self.roles.records_start
-        if starts:
+        # Per-step mode: every replica's start is an attempt of its own, named by its rank
+        # (a replacement joins the live quorum, or restarts the run from storage).
+        mine = {"rank": self.rank} if self.ft.ledger_mode == "per_step" else {}
+        if self.roles.records_attempt:
             self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
-                                 resumed_from=p.step, checkpoint=self.restored_path, **self._start_marks)
+                                 resumed_from=p.step, checkpoint=self.restored_path, **mine,
+                                 **self._start_marks)
+        if starts:
             import torch.distributed as dist
 
             self.tracker.set_tags({"elastic_ddp.world_size": self.world_size,
@@ -205,13 +210,13 @@ class Trainer:
                                    # gloo or nccl: what this attempt's collectives ran on.
                                    "elastic_ddp.backend": dist.get_backend() if dist.is_initialized() else "none",
                                    "elastic_ddp.device": str(self.device)})
-        first = starts
+        first = self.roles.records_attempt
         while not self.done:
             while p.cursor < self.n_train and not self.done:
                 if not self.train_step():
                     continue  # not committed (per-step fault tolerance): redo it
                 if first:
-                    self.tracker.attempt(first_step=time.time(), step=p.step)
+                    self.tracker.attempt(first_step=time.time(), step=p.step, **mine)
                     first = False
                 self.maybe_log()
                 self.ckpt.poll()  # an asynchronous checkpoint done on every rank: reported
