@@ -74,6 +74,12 @@ def test_a_replica_killed_mid_epoch_is_replaced_alone_and_the_run_stays_exact(
     # The survivor committed steps alone (quorum of 1) while rank 0 was replaced.
     assert any(c["n"] == 1 for c in commits[survivor[0]] if 5 <= c["commit"] < commits[replacement][0]["commit"])
 
+    # The run's own record of the failure: rank 0's replacement healed from the survivor
+    # and first committed a live step, so nothing was recomputed (the checkpoint it
+    # restored before healing is older).
+    (fail,) = [e for e in s.events if e["type"] == "failure"]
+    assert fail["failed_ranks"] == [0], fail
+    assert (fail["resumed_at_step"], fail["steps_recomputed"]) == (commits[replacement][0]["commit"] - 1, 0), fail
     # Its checkpoints while alone (a partial quorum: Ray Train's report would wait for the
     # replica outside it) went straight to storage, unreported, pruned to the newest
     # train.keep_checkpoints; the full quorum's checkpoints after it are reported ones.
