@@ -170,6 +170,18 @@ def _in_thread(fn):
     return th, result
 
 
+def _finished(th, result):
+    """The summary of the job running in ``th`` (``_in_thread``), once it ends (10
+    minutes at most); its error re-raised here. Prints its events."""
+    th.join(600)
+    assert not th.is_alive(), "training did not finish in 10 minutes"
+    if "error" in result:
+        raise result["error"]
+    s = result["summary"]
+    print(json.dumps(s.events, indent=1, default=str))
+    return s
+
+
 def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, data, baseline, tmp_path):
     """The node of one worker is drained with a 20 s deadline (and removed when it
     passes, as a cloud would): every rank learns it at a step boundary, the checkpoint
@@ -471,12 +483,7 @@ def test_per_step_a_fault_after_a_replacement_names_the_replacement(cluster, dat
     assert th.is_alive(), result
     (new_pid, new_node), = [(p, n) for p, n in ((w["pid"], w["node_id"]) for w in _workers()) if p not in first]
     os.kill(new_pid, signal.SIGKILL)
-    th.join(600)
-    assert not th.is_alive(), "training did not finish in 10 minutes"
-    if "error" in result:
-        raise result["error"]
-    s = result["summary"]
-    print(json.dumps(s.events, indent=1, default=str))
+    s = _finished(th, result)
     (pre,) = [e for e in s.events if e["type"] == "preemption"]
     assert pre["node_ids"] == [first[pid]], pre
     (fail,) = [e for e in s.events if e["type"] == "failure"]
@@ -514,12 +521,7 @@ def test_per_step_sigterm_to_the_last_live_replica_checkpoints_before_it_leaves(
     wait_until(lambda: not th.is_alive() or alone(), 120)
     assert th.is_alive(), result
     os.kill(last, signal.SIGTERM)
-    th.join(600)
-    assert not th.is_alive(), "training did not finish in 10 minutes"
-    if "error" in result:
-        raise result["error"]
-    s = result["summary"]
-    print(json.dumps(s.events, indent=1, default=str))
+    s = _finished(th, result)
     (pre,) = [e for e in s.events if e["type"] == "preemption"]
     step = pre["left_after_step"]
     assert pre["source"] == "sigterm" and 0 < step < STEPS, pre
