@@ -3,8 +3,10 @@ step boundary? Two real gloo ranks (processes, one thread each) run a synthetic 
 few matmuls, then a 1 MiB gradient all-reduce) in blocks, alternating: no listener, an
 agreement at every boundary (``interval_s=0``), and the spread one ("default":
 ``AGREE_EVERY_S``, or ``--interval-s``); printed: each mode's median block time per step, its ratio to no
-listener, and the mean time spent inside ``agreed()`` per boundary (the read's wait, the
-local sources, the tensor and the all-reduce's start).
+listener, the median of the paired per-round ratios with its 95% bootstrap interval
+(``paired_ratio``: the blocks of one alternation round share the machine's load), and
+the mean time spent inside ``agreed()`` per boundary (the read's wait, the local
+sources, the tensor and the all-reduce's start).
 
     .venv/bin/python experiments/bench_listen.py                  # 30 blocks of 20 steps
     .venv/bin/python experiments/bench_listen.py --matmuls 64 --interval-s 0.5
@@ -103,13 +105,33 @@ def main() -> int:
     print(f"{args.blocks} blocks of {args.steps} steps per mode, alternated; a step: {args.matmuls} "
           f"256x256 matmuls + a 1 MiB all-reduce; 'default': an agreement every "
           f"{res[0]['every']} boundaries ({res[0]['agreements']['default']} started)")
-    off = max(statistics.median(r["per_step"]["off"]) for r in res)
-    print(f"{'mode':<11} | {'ms/step (median block)':>22} | {'/ off':>6} | {'in agreed() per boundary':>24}")
+    # A block's time: the slower rank's (the all-reduce holds them together).
+    blocks = {m: [max(ts) for ts in zip(*(r["per_step"][m] for r in res))] for m in MODES}
+    off = statistics.median(blocks["off"])
+    print(f"{'mode':<11} | {'ms/step (median block)':>22} | {'/ off':>6} | {'paired rate / off, 95% CI':>27} "
+          f"| {'in agreed() per boundary':>24}")
     for m in MODES:
-        med = max(statistics.median(r["per_step"][m]) for r in res)
+        med = statistics.median(blocks[m])
         ins = max(r["inside_s"][m] / r["calls"][m] for r in res) if res[0]["calls"][m] else 0.0
-        print(f"{m:<11} | {med * 1e3:>22.2f} | {off / med:>6.1%} | {ins * 1e6:>21.0f} us")
+        lo, mid, hi = paired_ratio(blocks["off"], blocks[m])
+        ci = f"{mid:.1%} [{lo:.1%}, {hi:.1%}]"
+        print(f"{m:<11} | {med * 1e3:>22.2f} | {off / med:>6.1%} | {ci:>27} | {ins * 1e6:>21.0f} us")
     return 0
+
+
+def paired_ratio(off: list[float], on: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The steps/s of ``on`` relative to ``off`` from blocks run back to back (block b of
+    each mode in the same alternation round, so a change of the machine's load hits
+    both): the median over rounds of ``off[b] / on[b]`` (seconds per step, so the ratio
+    of rates), and its 95% percentile-bootstrap interval (``resamples`` resamplings of
+    the rounds; Efron & Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13).
+    Returns (low, median, high)."""
+    import random
+
+    ratios = [a / b for a, b in zip(off, on)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], statistics.median(ratios), meds[int(0.975 * resamples) - 1]
 
 
 if __name__ == "__main__":
