@@ -166,11 +166,10 @@ class Trainer:
         report (``ft.may_report``: a partial quorum), the lead writes the state to storage
         unreported (``ft.write_unreported``), where a restore finds it."""
         self.checkpointed_step = self.progress.step
+        self.at("checkpoint", self.progress.step)
         if not self.ft.may_report():
-            self.at("checkpoint", self.progress.step)
             self.ft.write_unreported()
             return
-        self.at("checkpoint", self.progress.step)
         c = self.counters
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
