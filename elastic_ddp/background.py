@@ -9,21 +9,48 @@ import threading
 
 @contextlib.contextmanager
 def signals_held():
-    """A block that SIGINT and SIGTERM do not interrupt (main thread, POSIX): a signal
-    that arrives inside it is delivered when it ends. For the few statements that must
-    run together or not at all (a thread started, a request sent and its reader made),
-    because a raising handler (Ctrl-C's KeyboardInterrupt, the CLI's early SIGTERM) would
-    otherwise leave them half done. Elsewhere (another thread, no ``pthread_sigmask``) it
-    holds nothing back."""
-    if threading.current_thread() is not threading.main_thread() or \
-            not hasattr(signal, "pthread_sigmask"):
+    """A block that SIGINT and SIGTERM do not interrupt (main thread): a signal that
+    arrives inside it is delivered when it ends, once per kind, to the handler that was
+    installed at entry (a raising one raises there; ``SIG_DFL`` is raised again). For the
+    few statements that must run together or not at all (a thread started, a request sent
+    and its reader made), because a raising handler (Ctrl-C's KeyboardInterrupt, the
+    CLI's early SIGTERM) would otherwise leave them half done.
+
+    Two layers, because neither alone holds: the block installs recording handlers, since
+    blocking the main thread's mask does not stop the kernel from handing a process signal
+    to any other thread (a pyarrow or gRPC pool thread) whose mask lets it through, and
+    CPython then runs the Python handler in the main thread anyway; and it blocks the
+    main thread's mask, so that a thread started inside the block inherits a mask that
+    leaves process signals to the threads that take them. Elsewhere (another thread) it
+    holds nothing back: only the main thread runs Python signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    pending: list[int] = []
+
+    def record(signum, frame) -> None:
+        pending.append(signum)
+
+    before = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) is not None:  # None: a handler set from C, not ours to swap
+            before[s] = signal.signal(s, record)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) \
+        if hasattr(signal, "pthread_sigmask") else None
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        if mask is not None:
+            # A signal the mask kept pending is delivered now, to ``record``.
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for s, h in before.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(pending):
+            h = before[s]
+            if callable(h):
+                h(s, None)
+            elif h == signal.SIG_DFL:
+                signal.raise_signal(s)
 
 
 def start_deferring_signals(thread: threading.Thread) -> None:

@@ -126,3 +126,51 @@ def test_the_tracker_imports_mlflow_only_after_the_first_step(tmp_path, mlflow_s
                    "attempts": {"attempts": 4, "world_sizes": [2]}}
     hist = tracking.client(uri).get_metric_history(run_id, "train/loss")
     assert [h.value for h in hist] == [2.0]
+
+
+def test_a_sigterm_while_the_request_is_sent_still_leaves_the_run_answerable(digits_data, tmp_path):
+    """The CLI's early SIGTERM raises in the main thread; landing while the request is
+    written (a pyarrow pool thread alive after the scan takes the signal for the
+    process), it is held until the request is sent and its reader started, so the driver
+    can read the run it opened and close it as KILLED."""
+    cfg = json.dumps(digits_config(digits_data, tmp_path))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = textwrap.dedent(f"""
+        import json, os, signal, sys, threading, time
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        from helpers import open_request
+        from elastic_ddp import tracking
+        from elastic_ddp.config import Config
+        from elastic_ddp.tracking import opener as mod
+
+        class Stopped(Exception):
+            pass
+
+        def stop(signum, frame):
+            raise Stopped()
+
+        signal.signal(signal.SIGTERM, stop)
+        request = open_request(Config.from_dict(json.loads({cfg!r})), {uri!r}, "ray")
+        real_dump = mod.pickle.dump
+
+        def dump_with_a_sigterm(*a, **kw):
+            t = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM))
+            t.start(); t.join(); time.sleep(0.2)
+            real_dump(*a, **kw)
+
+        mod.pickle.dump = dump_with_a_sigterm
+        opener = mod.RunOpener({uri!r})
+        try:
+            opener.open(**request)
+            print("not stopped")
+        except Stopped:
+            run_id = opener.result()["run_id"]
+            opener.finish()
+            tracking.finish_run({uri!r}, run_id, ok=False, error="stopped", status="KILLED")
+            print("stopped", run_id)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    word, run_id = p.stdout.split()
+    assert word == "stopped"
+    assert tracking.run_info(uri, run_id).info.status == "KILLED"

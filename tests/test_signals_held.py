@@ -1,0 +1,97 @@
+"""``background.signals_held``: a SIGTERM or SIGINT that arrives inside the block is
+delivered after its last statement, once, to the handler installed at entry, even while
+another thread whose mask lets signals through is alive (the kernel hands a process
+signal to any such thread; a pyarrow pool thread after the data scan is one). Each case
+runs in a fresh interpreter: the signals are real and go to that process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+PRELUDE = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    sys.path.insert(0, {repo!r})
+    from elastic_ddp.background import signals_held
+
+    # A thread started before the block, signals unblocked in its mask.
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+
+    def send(signum):
+        t = threading.Thread(target=os.kill, args=(os.getpid(), signum))
+        t.start()
+        t.join()
+        time.sleep(0.2)  # ample time for CPython to run a handler that is not held
+
+    steps = []
+""")
+
+
+def _run(body: str) -> subprocess.CompletedProcess:
+    code = PRELUDE.format(repo=str(REPO)) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_raising_sigterm_handler_runs_after_the_block_once():
+    p = _run("""
+        calls = []
+        def stop(signum, frame):
+            calls.append(signum)
+            raise RuntimeError("stopped")
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            with signals_held():
+                steps.append("sent")
+                send(signal.SIGTERM)
+                send(signal.SIGTERM)
+                steps.append("finished")
+        except RuntimeError:
+            steps.append("raised")
+        print(steps, calls == [signal.SIGTERM], signal.getsignal(signal.SIGTERM) is stop)
+    """)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["['sent',", "'finished',", "'raised']", "True", "True"], p.stdout
+
+
+def test_ctrl_c_inside_the_block_raises_keyboard_interrupt_after_it():
+    p = _run("""
+        try:
+            with signals_held():
+                send(signal.SIGINT)
+                steps.append("finished")
+        except KeyboardInterrupt:
+            steps.append("interrupted")
+        print(steps, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["['finished',", "'interrupted']", "True"], p.stdout
+
+
+def test_the_default_sigterm_action_still_ends_the_process_after_the_block():
+    p = _run("""
+        with signals_held():
+            send(signal.SIGTERM)
+            print("finished", flush=True)
+        print("not reached", flush=True)
+    """)
+    assert p.returncode == -15, (p.returncode, p.stderr)
+    assert p.stdout.split() == ["finished"], p.stdout
+
+
+def test_a_block_without_signals_changes_no_handler():
+    p = _run("""
+        def stop(signum, frame):
+            raise RuntimeError("stopped")
+        signal.signal(signal.SIGTERM, stop)
+        with signals_held():
+            steps.append("finished")
+        print(steps, signal.getsignal(signal.SIGTERM) is stop,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+              signal.pthread_sigmask(signal.SIG_BLOCK, set()) == set())
+    """)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["['finished']", "True", "True", "True"], p.stdout
