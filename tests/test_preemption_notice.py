@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -340,6 +341,7 @@ REPLICA = textwrap.dedent("""
 
     rank, lighthouse, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     steps, step_s, stop = int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+    prepare_s = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHFT_LIGHTHOUSE=lighthouse)
@@ -349,6 +351,8 @@ REPLICA = textwrap.dedent("""
     install_sigterm_handler()            # this process's main thread, as in a Ray worker
     leave = ReplicaLeave(rank, 2, install=False, log=lambda line: None)
     out = open(log, "w")
+    open(log + ".built", "w").write(str(time.time()))   # when its group (not its Manager) was built
+    time.sleep(prepare_s)                # a replacement's restore and first read, before its quorum
     last = 0                             # the last step this replica committed
     while last < steps and not os.path.exists(stop):   # the test ends it through the file
         try:
@@ -373,21 +377,25 @@ REPLICA = textwrap.dedent("""
 STEP_S = 0.2
 
 
+def _replica(tmp_path, lighthouse, r: int, steps: int = 100_000, prepare_s: float = 0.0,
+             name: str = ""):
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RUST_LOG": "warn"}
+    log = tmp_path / f"replica{r}{name}.jsonl"
+    return subprocess.Popen([sys.executable, str(script), str(r), lighthouse.address(), str(log),
+                             str(steps), str(STEP_S), str(tmp_path / "stop"), str(prepare_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), log
+
+
 def _replicas(tmp_path, steps: int = 100_000):
     from torchft.coordination import LighthouseServer
 
     from elastic_ddp.worker.per_step import LIGHTHOUSE
 
     lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
-    script = tmp_path / "replica.py"
-    script.write_text(REPLICA)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RUST_LOG": "warn"}
-    logs = [tmp_path / f"replica{r}.jsonl" for r in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), lighthouse.address(), str(logs[r]),
-                               str(steps), str(STEP_S), str(tmp_path / "stop")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
-    return lighthouse, procs, logs
+    procs, logs = zip(*(_replica(tmp_path, lighthouse, r, steps) for r in (0, 1)))
+    return lighthouse, list(procs), list(logs)
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
@@ -451,3 +459,65 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
     # quorum's reconfiguration (measured 0.5-0.65 s on a loaded machine); not the 20 s
     # collective timeout, not a failed step. The margin is for a machine under heavy load.
     assert gap < STEP_S + LIGHTHOUSE["heartbeat_timeout_ms"] / 1000 + 1.5, gap
+
+
+def test_a_replacement_preparing_for_its_first_quorum_does_not_hold_up_the_survivors_next_one(tmp_path):
+    """Replicas 0 and 1 train in one quorum; a replacement (world rank 1 again, as Ray
+    starts one) builds its ReplicaGroup and spends ``PREPARE_S`` before its first quorum
+    (in a worker: the checkpoint restore and the first round's read); replica 1 is then
+    SIGKILLed. Replica 0's next quorum cannot be torchft's fast one (a member of the last
+    is gone), and the lighthouse forms no other while half or more of the replicas it sees
+    heartbeat without asking for a quorum (its split-brain rule; with more replicas it
+    waits for such stragglers up to ``join_timeout_ms``). The replacement's Manager,
+    whose server heartbeats, starts only at its first quorum (``ReplicaGroup.start``), so
+    replica 0 trains on alone after the heartbeat timeout instead of waiting out
+    ``PREPARE_S``; then the two train together, the replacement healed."""
+    from torchft.coordination import LighthouseServer
+
+    from elastic_ddp.worker.per_step import LIGHTHOUSE
+
+    PREPARE_S = 10.0
+    lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
+    procs = []
+
+    def wait(pred, timeout: float) -> None:
+        end = time.time() + timeout
+        while not pred() and time.time() < end and procs[0].poll() is None:
+            time.sleep(0.05)
+
+    try:
+        for r in (0, 1):
+            procs.append(_replica(tmp_path, lighthouse, r)[0])
+        log0, log1 = tmp_path / "replica0.jsonl", tmp_path / "replica1.jsonl"
+        wait(lambda: all(sum(1 for r in jsonl_records(f) if r["ok"] and r["n"] == 2) >= 5
+                         for f in (log0, log1)), 240)
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        p2, log2 = _replica(tmp_path, lighthouse, 1, prepare_s=PREPARE_S, name="-replacement")
+        procs.append(p2)
+        built = Path(str(log2) + ".built")
+        wait(built.exists, 120)
+        time.sleep(1.0)  # its group built: with the Manager started there, it now heartbeats
+        t_kill = time.time()
+        procs[1].kill()
+        wait(lambda: sum(1 for r in jsonl_records(log2) if r["ok"] and r["n"] == 2) >= 5, 240)
+        (tmp_path / "stop").touch()
+        for p in (procs[0], p2):
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+    t_ready = float(built.read_text()) + PREPARE_S  # the replacement's first quorum request
+    survivor, joiner = jsonl_records(log0), jsonl_records(log2)
+    assert sum(1 for r in joiner if r["ok"] and r["n"] == 2) >= 5, joiner[-5:]
+    alone = [r["t"] for r in survivor if r["ok"] and r["n"] == 1 and t_kill < r["t"] < t_ready]
+    first = min(alone, default=float("nan"))
+    print(f"\nreplica 0 alone while the replacement prepared: {len(alone)} steps, the first "
+          f"{first - t_kill:.2f} s after the kill (the replacement asked for its quorum "
+          f"{t_ready - t_kill:.1f} s after it)")
+    # Alone within seconds of the kill (heartbeat timeout, a failed step, the new quorum),
+    # not after the replacement's PREPARE_S.
+    assert alone and first - t_kill < 4.0, (first - t_kill, survivor[-10:])
+    assert len(alone) >= 3 / STEP_S / 5, survivor[-10:]

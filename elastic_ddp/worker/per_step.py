@@ -75,31 +75,60 @@ class ReplicaGroup:
     def __init__(self, world_rank: int, world_size: int, device: torch.device, min_replicas: int,
                  state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
                  collective_timeout_s: float = 30.0):
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-        from torchft.checkpointing.pg_transport import PGTransport
-
         logging.getLogger("torchft").setLevel(logging.WARNING)  # one INFO line per step
         self.world_rank, self.world_size = world_rank, world_size
-        timeout = timedelta(seconds=collective_timeout_s)
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg, min_replica_size=min_replicas, load_state_dict=load_state_dict,
-            # Synchronous quorum: a healing replica loads the peer's state before the
-            # forward pass and takes its share of the step. With the asynchronous quorum a
-            # healer can get a participant rank while torchft zeroes its gradient
-            # (is_participating() False): its share of the step would be counted, not
-            # learned from (measured: the first step after a join lost half its rows).
-            # Costs the quorum's latency (ms) before each forward instead of beside it.
-            state_dict=state_dict, use_async_quorum=False, timeout=timedelta(seconds=30),
-            quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=10),
-            world_size=1, rank=0, replica_id=f"rg{world_rank}",
-            checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=60), device=device))
+        self._device, self._min_replicas = device, min_replicas
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self._timeout = timedelta(seconds=collective_timeout_s)
+        # Created by :meth:`start`, at the first quorum: see there.
+        self._manager = None
+        self._restored: Optional[dict] = None  # torchft's counters from a checkpoint, until then
         self.participant: Optional[int] = None
         self.participants = 0
         self._tries = (-1, 0)  # (committed step, quorums joined at it): compat's fallback id
         # Whether this step's quorum may differ in members from the previous one (a
         # replica joined or left: one may heal from this one during the quorum).
         self.changed = True
+
+    def start(self) -> None:
+        """Create this replica's torchft Manager, whose server heartbeats to the lighthouse
+        from then on; a second call, or one after :meth:`shutdown`, does nothing.
+
+        Called by the first :meth:`quorum`, not at construction: the lighthouse counts a
+        replica that heartbeats as healthy, and forms no quorum while half or more of the
+        healthy replicas have not asked for one (torchft's split-brain rule; with more
+        replicas it waits for such stragglers up to ``join_timeout_ms``). A replacement
+        whose Manager started before its restore and its first round's read would stall
+        the survivors for all of that time; started here, they wait only for its quorum
+        request and its healing."""
+        if self._manager is not None or self._shut:
+            return
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        device, timeout = self._device, self._timeout
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._manager = Manager(
+            pg=pg, min_replica_size=self._min_replicas, load_state_dict=self._load_state_dict,
+            # Synchronous quorum: a healing replica loads the peer's state before the
+            # forward pass and takes its share of the step. With the asynchronous quorum a
+            # healer can get a participant rank while torchft zeroes its gradient
+            # (is_participating() False): its share of the step would be counted, not
+            # learned from (measured: the first step after a join lost half its rows).
+            # Costs the quorum's latency (ms) before each forward instead of beside it.
+            state_dict=self._state_dict, use_async_quorum=False, timeout=timedelta(seconds=30),
+            quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=10),
+            world_size=1, rank=0, replica_id=f"rg{self.world_rank}",
+            checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=60), device=device))
+        if self._restored is not None:
+            self._manager.load_state_dict(self._restored)
+
+    @property
+    def manager(self):
+        """The torchft Manager (started by the first :meth:`quorum`)."""
+        if self._manager is None:
+            raise RuntimeError("the replica group's Manager is not started (no quorum yet)")
+        return self._manager
 
     # -- one step ---------------------------------------------------------------------------
     def begin(self, leave=None, step: int = 0) -> tuple[Optional[int], int]:
@@ -147,6 +176,7 @@ class ReplicaGroup:
         from elastic_ddp.compat.torchft import quorum_id_is_exact
 
         before = self.quorum_id if self.participants else None
+        self.start()
         self.manager.start_quorum()
         self.participant = self.manager.participating_rank()
         self.participants = self.manager.num_participants()
@@ -219,18 +249,27 @@ class ReplicaGroup:
 
     def state_dict(self) -> dict:
         """torchft's step counters (``Manager.state_dict``), with the steps committed
-        after :meth:`shutdown`."""
-        st = dict(self.manager.state_dict())
+        after :meth:`shutdown`; before the Manager starts, those restored."""
+        st = dict(self._manager.state_dict() if self._manager is not None
+                  else self._restored or {"step": 0, "batches_committed": 0})
         st["step"] += self._uncounted[0]
         st["batches_committed"] += self._uncounted[1]
         return st
 
+    def load_state_dict(self, state: dict) -> None:
+        """torchft's step counters from a checkpoint (kept for the Manager until it starts)."""
+        if self._manager is not None:
+            self._manager.load_state_dict(state)
+        else:
+            self._restored = dict(state)
+
     def shutdown(self) -> None:
         """Stop this replica's torchft Manager (its heartbeat to the lighthouse stops);
-        a second call does nothing."""
+        a second call does nothing, and none is started after it."""
         if not self._shut:
             self._shut = True
-            self.manager.shutdown(wait=False)
+            if self._manager is not None:
+                self._manager.shutdown(wait=False)
 
     _shut = False
 
@@ -295,7 +334,7 @@ class PerStepFaultTolerance:
 
     def load_state_dict(self, state: dict) -> None:
         if "torchft" in state:
-            self.group.manager.load_state_dict(state["torchft"])
+            self.group.load_state_dict(state["torchft"])
 
     # -- a step --------------------------------------------------------------------------
     def begin_step(self) -> tuple[Optional[int], int]:
