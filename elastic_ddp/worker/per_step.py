@@ -94,13 +94,16 @@ class ReplicaGroup:
         """Create this replica's torchft Manager, whose server heartbeats to the lighthouse
         from then on; a second call, or one after :meth:`shutdown`, does nothing.
 
-        Called by the first :meth:`quorum`, not at construction: the lighthouse counts a
-        replica that heartbeats as healthy, and forms no quorum while half or more of the
+        The lighthouse counts a replica that heartbeats as healthy, and forms no quorum
+        but the fast one (the last quorum's members all back) while half or more of the
         healthy replicas have not asked for one (torchft's split-brain rule; with more
-        replicas it waits for such stragglers up to ``join_timeout_ms``). A replacement
-        whose Manager started before its restore and its first round's read would stall
-        the survivors for all of that time; started here, they wait only for its quorum
-        request and its healing."""
+        replicas it waits for such stragglers up to ``join_timeout_ms``). So a replica
+        that resumes a run (``PerStepFaultTolerance.fit``) starts it at its first
+        :meth:`quorum`: started before its restore and its first round's read, it would
+        hold the survivors' next new quorum for all of that time. A fresh run's replicas
+        start it before their first read instead, so that their first quorum waits for
+        all of them: one that began alone and died before another healed from it would
+        take its steps with it."""
         if self._manager is not None or self._shut:
             return
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -439,6 +442,8 @@ class PerStepFaultTolerance:
         if self.marker is not None and self.marker.exists():
             self.group.shutdown()  # the run is over: a late replacement must not retrain it
             return
+        if t.restored_path is None:
+            self.group.start()  # a fresh run: the first quorum waits for every replica (start)
         try:
             if not t.done and t.cfg.data.order == "windowed":
                 # Read this rank's first round before joining a quorum: a replacement
