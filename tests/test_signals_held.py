@@ -95,3 +95,27 @@ def test_a_block_without_signals_changes_no_handler():
     """)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["['finished']", "True", "True", "True"], p.stdout
+
+
+def test_a_sigterm_while_ray_init_holds_its_own_handler_still_stops_before_training():
+    """``driver.stop.EarlySigterm``: ``ray.init`` installs ``sys.exit(15)`` as the SIGTERM
+    handler when it starts. A SIGTERM then ends the early block as ``SystemExit(15)``,
+    which leaves it as ``StoppedBeforeTraining`` (the CLI's exit 143 and message);
+    after ``reinstall`` the early handler raises it directly."""
+    p = _run("""
+        from elastic_ddp.driver.stop import EarlySigterm, StoppedBeforeTraining
+
+        for reinstall in (False, True):
+            try:
+                with EarlySigterm() as early:
+                    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(s))  # what ray.init does
+                    if reinstall:
+                        early.reinstall()
+                    send(signal.SIGTERM)
+                    steps.append("not stopped")
+            except StoppedBeforeTraining as e:
+                steps.append("stopped")
+        print(steps, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    """)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "['stopped', 'stopped'] True", p.stdout

@@ -291,6 +291,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         early = _cluster_running() and _answers()
         if early:
             host, tracker = _connect_and_start(cfg, uri)
+            early_term.reinstall()  # ray.init installed its own SIGTERM handler
             marks["ray_ready"] = time.time()
         prep = prepare(cfg, task)
         task, train_info, val_info = prep.task, prep.train_info, prep.val_info
@@ -318,6 +319,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         side = Background(_import_ray_train, name="import-ray-train")
         if tracker is None:
             host, tracker = _connect_and_start(cfg, uri)
+            early_term.reinstall()  # ray.init installed its own SIGTERM handler
             marks["ray_ready"] = time.time()
         side.result()
         opened = opener.result()

@@ -91,6 +91,10 @@ class SigtermStop:
         return "StopRequested" in str(error)
 
 
+STOPPED_BEFORE_TRAINING = ("stopped on SIGTERM before training started (nothing to checkpoint); "
+                           "run the same command to start the job")
+
+
 class StoppedBeforeTraining(JobStopped):
     """SIGTERM arrived before training started (preflight, data scan, MLflow run
     creation, Ray start-up): there is nothing to checkpoint; an MLflow run opened by then
@@ -102,7 +106,14 @@ class EarlySigterm:
     :class:`StoppedBeforeTraining` in the main thread, the way Ctrl-C raises
     KeyboardInterrupt: the launcher's clean-up paths run (no MLflow run left RUNNING, the
     run's lease released) and the CLI exits with :data:`EXIT_STOPPED`. Installed only in
-    the main thread (only it may install a handler)."""
+    the main thread (only it may install a handler).
+
+    ``ray.init`` installs a SIGTERM handler of its own, ``sys.exit(15)``, as it starts:
+    :meth:`reinstall` puts this one back after it, and a ``SystemExit(15)`` that ends the
+    block while this handler is in charge (a SIGTERM during ``ray.init``, which the
+    clean-up paths have handled as an interruption) leaves it as
+    :class:`StoppedBeforeTraining`, so the exit code and the message are the same
+    whenever the signal lands."""
 
     def __init__(self):
         self._before = None
@@ -114,8 +125,16 @@ class EarlySigterm:
             self._installed = True
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        ours = self._installed
         self.release()
+        if ours and exc_type is SystemExit and exc.code == signal.SIGTERM:
+            raise StoppedBeforeTraining(STOPPED_BEFORE_TRAINING) from None
+
+    def reinstall(self) -> None:
+        """This handler again, after a call that installed its own (``ray.init``)."""
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def release(self) -> None:
         """Put the handler found at entry back (SigtermStop then takes over during fit)."""
@@ -125,5 +144,4 @@ class EarlySigterm:
 
     @staticmethod
     def _on_sigterm(signum, frame) -> None:
-        raise StoppedBeforeTraining("stopped on SIGTERM before training started (nothing to "
-                                    "checkpoint); run the same command to start the job")
+        raise StoppedBeforeTraining(STOPPED_BEFORE_TRAINING)
