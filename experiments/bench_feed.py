@@ -30,11 +30,10 @@ Loaders, each given ``--procs`` processes for the data path on one local Ray clu
 
 * ``elastic``: ``elastic_ddp.train``, 1 worker, global batch ``--batch``, a model of one
   weight (the step is a mean over the batch), no validation split (the others have none);
-  ``data.reader`` at its default (``dataloader``: ``READ_TASKS`` (2) DataLoader worker
-  processes read and transform the rank's windows), so ``--procs`` must be 2 for a like
-  budget. Step end times come from the sample ledger, whose audit says whether every row
+  ``data.reader`` at its default (``dataloader``: ``data.read_tasks`` = ``--procs``
+  DataLoader worker processes read and transform the rank's windows). Step end times come from the sample ledger, whose audit says whether every row
   was used exactly once per epoch. ``elastic_ray_data`` (only when named in ``--only``):
-  the same with ``data.reader: ray_data`` (a Ray Data pipeline per rank, ``READ_TASKS``
+  the same with ``data.reader: ray_data`` (a Ray Data pipeline per rank, ``--procs``
   read+transform tasks at a time).
 * ``elastic_reader``: the elastic reader alone in this process (:func:`run_reader`): the
   same readers, windows, order and DataLoader workers as ``elastic``, each step's rows
@@ -289,7 +288,8 @@ def _steady(marks: list[tuple[float, int, int]], warmup: int = 1) -> dict:
 def elastic_config(data: Path, run: Path, task_path: Path, workload: str, batch: int,
                    epochs: int, reader: str = "auto", **data_extra):
     """The elastic loader's job: 1 worker of 1 CPU, the whole batch in one micro-batch, a
-    checkpoint at each epoch's end only; ``data_extra``: more ``data.*`` fields."""
+    checkpoint at each epoch's end only; ``data_extra``: more ``data.*`` fields
+    (``read_tasks``: the data-path processes)."""
     from elastic_ddp.config import Config
 
     return Config.from_dict({
@@ -316,7 +316,7 @@ def ledger_marks(ledger: Path) -> list[tuple[float, int, int]]:
 
 
 def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: int,
-                epochs: int, reader: str = "auto", warmup: int = 1) -> dict:
+                epochs: int, reader: str = "auto", warmup: int = 1, procs: int = 2) -> dict:
     from elastic_ddp import Diagnostics, train
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.ledger import audit
@@ -324,7 +324,7 @@ def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: in
     run = tmp / f"elastic-{time.time_ns()}"
     ledger = run / "ledger"
     t0 = time.time()
-    train(elastic_config(data, run, task_path, workload, batch, epochs, reader),
+    train(elastic_config(data, run, task_path, workload, batch, epochs, reader, read_tasks=procs),
           progress=False, diagnostics=Diagnostics(ledger_dir=str(ledger)))
     marks = ledger_marks(ledger)
     rep = audit(ledger, read_sample_ids(data / "train"), epochs)
@@ -332,7 +332,7 @@ def run_elastic(data: Path, tmp: Path, task_path: Path, workload: str, batch: in
 
 
 def run_reader(data: Path, task, task_path: Path, workload: str, batch: int, epochs: int,
-               warmup: int = 1) -> dict:
+               warmup: int = 1, procs: int = 2) -> dict:
     """The elastic reader alone, as a rank of the elastic job uses it, in this process:
     ``open_train_reader`` of each epoch (rank 0 of 1, ``data.reader`` at its default),
     ``take`` of each step's rows and the task's collate, and the next epoch's reader
@@ -342,7 +342,8 @@ def run_reader(data: Path, task, task_path: Path, workload: str, batch: int, epo
     from elastic_ddp.data.readers import open_train_reader
     from elastic_ddp.data.scan import read_sample_ids, scan_parquet
 
-    cfg = elastic_config(data, Path(tempfile.gettempdir()), task_path, workload, batch, epochs)
+    cfg = elastic_config(data, Path(tempfile.gettempdir()), task_path, workload, batch, epochs,
+                         read_tasks=procs)
     info = scan_parquet(data / "train", task.columns, "sample_id")
     ids = np.sort(read_sample_ids(data / "train"))
     seen: dict[int, list] = {}
@@ -598,9 +599,10 @@ def main(argv=None) -> int:
                 for name in results[w]:
                     t = time.perf_counter()
                     if name in ELASTIC:
-                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs, ELASTIC[name], a.warmup_epochs)
+                        r = run_elastic(data[w], Path(tmp), task_path, w, batch, a.epochs, ELASTIC[name],
+                                        a.warmup_epochs, a.procs)
                     elif name == "elastic_reader":
-                        r = run_reader(data[w], task, task_path, w, batch, a.epochs, a.warmup_epochs)
+                        r = run_reader(data[w], task, task_path, w, batch, a.epochs, a.warmup_epochs, a.procs)
                     elif name == "ray_data":
                         r = run_ray_data(data[w], task, w, a.procs, batch, a.epochs, a.warmup_epochs)
                     else:

@@ -8,7 +8,7 @@
 # 3. both fault-tolerance modes on NCCL: `restart` and `per_step` (torchft), one worker per
 #    GPU, and, with one GPU, also two workers packed on it (scaling.gpus_per_worker=0.5),
 #    which NCCL may refuse (two ranks of one process group on one device): the line says
-#    which;
+#    which (PACKED=0 leaves the packed runs out);
 # 4. the gpt preset's tokens/s on one GPU (bf16 autocast) and its model FLOPs utilization,
 #    MFU = 6 x parameters x tokens/s / peak FLOP/s (Kaplan et al. 2020, "Scaling Laws for
 #    Neural Language Models", C = 6N per token; the attention term is left out, as in
@@ -77,7 +77,7 @@ for mode in restart per_step; do
     step "ft_${mode}_ws${WS}" 120 1 "${CLI[@]}" train experiments/configs/digits_cnn.yaml "${DIGITS[@]}" \
         --set scaling.fault_tolerance=$mode --set scaling.min_workers=1 --set scaling.max_workers=$WS \
         --set "run.name=gpu-$mode-ws$WS" --set scaling.max_failures=0
-    if [[ "$NGPU" -eq 1 ]]; then
+    if [[ "$NGPU" -eq 1 && "${PACKED:-1}" != 0 ]]; then
         step "ft_${mode}_2_on_1_gpu" 90 0 "${CLI[@]}" train experiments/configs/digits_cnn.yaml "${DIGITS[@]}" \
             --set scaling.fault_tolerance=$mode --set scaling.min_workers=2 --set scaling.max_workers=2 \
             --set scaling.gpus_per_worker=0.5 --set "run.name=gpu-$mode-packed" --set scaling.max_failures=0
