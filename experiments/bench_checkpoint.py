@@ -338,7 +338,10 @@ def _old_checkout(rev: str | None) -> Path:
 def run_one(size: str, strategy: str, path: str, repeat: int, code: Path,
             device: str = "cpu", nproc: int = 2) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as out:
-        env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1")
+        # The code under test first; the caller's PYTHONPATH (packages installed outside the
+        # interpreter's site-packages) stays behind it.
+        pythonpath = os.pathsep.join(x for x in (str(code), os.environ.get("PYTHONPATH", "")) if x)
+        env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
                str(nproc), str(Path(__file__).resolve()), "--worker", "--size", size,
                "--strategy", strategy, "--path", path, "--repeat", str(repeat), "--out", out,

@@ -253,7 +253,7 @@ class Tokens(Task):
         # Almost no work: each document's mean id through one weight.
         doc, ids = batch["doc"].reshape(-1), batch["ids"].reshape(-1).float()
         keep = doc >= 0
-        s = torch.zeros(len(batch["lens"])).index_add_(0, doc[keep], ids[keep])
+        s = torch.zeros(len(batch["lens"]), device=ids.device).index_add_(0, doc[keep], ids[keep])
         x = (s / batch["lens"].clamp_min(1) / 2048.0).unsqueeze(1)
         return model(x).squeeze(1) ** 2
 '''

@@ -457,3 +457,21 @@ def test_a_replicated_state_is_cut_into_disjoint_balanced_shares():
     zero = replicated_share(state, REPLICATED_PARTS["zero1"], 1, 2)
     assert zero["optim"] == optim and len(zero["model"]) < len(model)
     assert replicated_share(state, REPLICATED_PARTS.get("fsdp", ()), 1, 2) == state
+
+
+def test_the_kept_stager_still_stages_after_a_close():
+    """Some torch releases' ``async_save`` close the stager they are given after its save;
+    a closed ``DefaultStager`` fails its next stage with ``KeyError: <class 'type'>`` (the
+    second asynchronous checkpoint of a run, seen on torch 2.11 with CUDA). The process's
+    kept stager must survive that close and stage again, values and types intact."""
+    from elastic_ddp.checkpoint.inflight import _stager
+
+    stager = _stager(torch.device("cpu"))
+    state = {"w": torch.arange(6.0).reshape(2, 3), "meta": {"cls": int, "lr": [1e-3, 2], "name": "x"}}
+    first = stager.stage(state)
+    stager.close()
+    state["w"].add_(1.0)
+    second = stager.stage(state)
+    assert torch.equal(second["w"], torch.arange(6.0).reshape(2, 3) + 1.0)
+    assert second["meta"] == {"cls": int, "lr": [1e-3, 2], "name": "x"}
+    assert first["w"].data_ptr() == second["w"].data_ptr(), "the staging buffer was not reused"

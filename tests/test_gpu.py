@@ -72,3 +72,22 @@ def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
     weights = torch.load(Path(local), weights_only=True)  # no map_location: saved on the CPU
     assert all(t.device.type == "cpu" for t in weights.values())
     build_model(cfg, load_task(cfg)).load_state_dict(weights)
+
+
+def test_use_gpu_false_trains_on_the_cpu_of_a_gpu_machine(gpu_ray_cluster, digits_data, tmp_path):
+    """``scaling.use_gpu: false`` on a machine with CUDA: the workers are given no GPU, and
+    Ray Train's ``get_device()`` still answers ``cuda:0`` there; the job must train on the
+    CPU over gloo (a task that builds a tensor on the CPU would otherwise meet its batch
+    on the GPU)."""
+    from elastic_ddp.config import Config
+    from elastic_ddp.driver.launcher import train
+
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
+        "train": {"epochs": 1, "checkpoint_every_steps": 50},
+        "scaling": {"min_workers": 1, "max_workers": 1, "use_gpu": False},
+        "run": {"name": "test-gpu-off"},
+    }))
+    train(cfg, progress=False)
+    tags = mlflow_runs(tmp_path)[0].data.tags
+    assert tags["elastic_ddp.backend"] == "gloo"
+    assert tags["elastic_ddp.device"] == "cpu"

@@ -58,8 +58,17 @@ def _stager(device: torch.device):
         except ImportError:  # a torch older than the stager API: the writer's own staging
             return None
 
+        class KeptStager(DefaultStager):
+            """The process's stager, never closed: some torch releases' ``async_save``
+            close the stager they are given after its save, which drops its buffers and
+            clears its copy table (the next save then fails with ``KeyError: <class
+            'type'>``). Its buffers are freed with the process."""
+
+            def close(self) -> None:
+                pass
+
         cuda = device.type == "cuda"
-        _STAGER = DefaultStager(StagingOptions(
+        _STAGER = KeptStager(StagingOptions(
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
             use_non_blocking_copy=cuda))
     return _STAGER
