@@ -178,15 +178,19 @@ def test_val_batches_same_count_on_every_rank_and_every_row_once(tmp_path):
     _data(tmp_path, n=50, files=2, rg=7)
     info = scan_parquet(tmp_path, Echo.columns)
     template = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64)}
-    for ws in (1, 3, 7, 64):  # 64 ranks: most have no row at all
-        share = math.ceil(50 / ws)
-        n_batches = math.ceil(share / 4)
-        seen = []
-        for r in range(ws):
-            batches = list(val_batches(info, Echo(), 0, 0, r, ws, 4, n_batches, template, local=True))
-            assert len(batches) == n_batches
-            seen.extend(np.concatenate([b["sample_id"] for b in batches]).tolist())
-        assert sorted(seen) == list(range(0, 500, 10))
+    for max_batches, rows in ((None, 50), (5, 20)):  # 5 batches of 4: the first 20 rows
+        ref = None
+        for ws in (1, 2, 3, 7, 64):  # 64 ranks: most have no row at all
+            n_batches = math.ceil(math.ceil(rows / 4) / ws)
+            got = []
+            for r in range(ws):
+                batches = list(val_batches(info, Echo(), 0, 0, r, ws, 4, max_batches, template, local=True))
+                assert len(batches) == n_batches
+                got.extend(b["sample_id"].tolist() for b in batches if len(b["sample_id"]))
+            # The same batches, of the same rows in the same order, at every world size.
+            ref = ref or got
+            assert got == ref, (ws, max_batches)
+            assert sorted(i for b in got for i in b) == list(range(0, 10 * rows, 10))
 
 
 def test_a_view_change_reuses_the_windows_held_and_reads_the_rest_first(tmp_path):
