@@ -12,9 +12,19 @@ exactly where the last checkpoint left off, and no sample is repeated or lost.
 
 Global batch G = sum over ranks of the rank's rows; each rank cuts its rows into
 ``grad_accum_steps`` micro-batches of at most ``micro_batch_size`` rows. The loss of a
-micro-batch is ``sum(per-sample loss) * world_size / G_step``; DDP averages gradients over
-ranks (divides by world_size), so the step's gradient is the exact mean over its G_step
-rows even when ranks hold different row counts (PyTorch DDP docs, "gradient averaging").
+micro-batch is ``sum(per-sample loss) / G_step`` and the gradients are SUM-all-reduced
+over the ranks, so the step's gradient is the exact mean over its G_step rows even when
+ranks hold different row counts (a comm hook that averages, bf16/fp16/PowerSGD or FSDP's
+reduce-scatter, gets ``world_size / G_step`` instead: ``Strategy.grad_divisor``).
+
+**Shards.** A job that may run at world size 2 (``max_workers >= 2``, not ``scale_lr``)
+has ``shards = 2``: at world size 1 a step's rows are computed as the two ranks of world
+size 2 would compute them, shard by shard (each shard cut into the same micro-batches),
+and the two shards' gradients are added last. A micro-batch then holds the same rows in
+the same order at world size 1 and 2, and the step's gradient is ``g0 + g1`` at both
+(``a + b == b + a`` exactly in floating point; an all-reduce of two ranks is one such
+addition), so training is bitwise identical at world sizes 1 and 2 (docs/design.md,
+"Bitwise across world sizes").
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ class BatchPlan:
         micro_batch_size: the configured per-rank micro-batch limit.
         lr_multiplier: factor on the configured peak LR (1.0 unless policy=scale_lr).
         even: True when every rank holds the same number of rows.
+        shards: the job's shard count (:func:`shard_count`): at world size 1 with 2
+            shards, ``grad_accum_steps`` counts the micro-batches of both.
     """
 
     world_size: int
@@ -51,6 +63,7 @@ class BatchPlan:
     micro_batch_size: int
     lr_multiplier: float
     even: bool
+    shards: int = 1
 
 
 def split_evenly(n: int, parts: int) -> list[int]:
@@ -58,6 +71,19 @@ def split_evenly(n: int, parts: int) -> list[int]:
     (the first ``n % parts`` chunks are one larger), as ``numpy.array_split`` does."""
     base, extra = divmod(n, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def shard_count(max_workers: int, policy: Policy = "fixed_global") -> int:
+    """The job's shards (module docstring, "Shards"): 2 when it may run at world size 2
+    and keeps its global batch there (``max_workers >= 2``, policy not ``scale_lr``), else
+    1. Only world size 1 computes more than one shard: a rank of world size 2 or more
+    computes its own rows, as without shards.
+
+    What 2 shards cost at world size 1: ``2 x ceil(G / 2 / micro_batch_size)``
+    micro-batches instead of ``ceil(G / micro_batch_size)`` (two of ``G / 2`` rows where
+    ``G`` would fit one), and, when a shard takes more than one micro-batch, one
+    gradient-sized buffer and one addition per step."""
+    return 2 if max_workers >= 2 and policy != "scale_lr" else 1
 
 
 def plan_for_world_size(
@@ -68,6 +94,7 @@ def plan_for_world_size(
     min_workers: int = 1,
     lr_scaling: Literal["linear", "sqrt"] = "linear",
     partitions: int = 1,
+    shards: int = 1,
 ) -> BatchPlan:
     """The batch plan at ``world_size``.
 
@@ -78,6 +105,7 @@ def plan_for_world_size(
     variant (Krizhevsky 2014, "One weird trick"). With ``partitions`` > 1 the rows of a
     rank come from its partitions (``data.order``); ``rows_per_rank`` is then the even
     split, a guide for memory, and each step's exact split comes from the order.
+    ``shards`` (:func:`shard_count`): at world size 1, the micro-batches of each shard.
 
     Raises:
         BatchConfigError: the policy cannot carry this world size.
@@ -102,7 +130,10 @@ def plan_for_world_size(
             f"batch.global_batch_size={global_batch_size} leaves a rank with no rows at "
             f"world_size={world_size}; raise the global batch or lower scaling.max_workers"
         )
-    accum = max(1, math.ceil(max(rows) / micro_batch_size))
+    if world_size == 1 and shards > 1:
+        accum = shards * grad_accum_steps(split_evenly(rows[0], shards), micro_batch_size)
+    else:
+        accum = grad_accum_steps(rows, micro_batch_size)
     return BatchPlan(
         world_size=world_size,
         global_batch_size=sum(rows),
@@ -111,6 +142,7 @@ def plan_for_world_size(
         micro_batch_size=micro_batch_size,
         lr_multiplier=mult,
         even=len(set(rows)) == 1,
+        shards=shards,
     )
 
 
@@ -232,7 +264,8 @@ def valid_world_sizes(
             continue
         try:
             out.append((ws, plan_for_world_size(global_batch_size, micro_batch_size, ws,
-                                                policy, min_workers, lr_scaling, partitions), ""))
+                                                policy, min_workers, lr_scaling, partitions,
+                                                shard_count(max_workers, policy)), ""))
         except BatchConfigError as e:
             out.append((ws, None, str(e)))
     return out
@@ -301,7 +334,8 @@ def run_length(cfg, num_rows: int, world_size: int) -> tuple[BatchPlan, RunLengt
     """
     b = cfg.batch
     plan = plan_for_world_size(b.global_batch_size, b.micro_batch_size, world_size, b.policy,
-                               cfg.scaling.min_workers, b.lr_scaling, cfg.partitions)
+                               cfg.scaling.min_workers, b.lr_scaling, cfg.partitions,
+                               shard_count(cfg.scaling.max_workers, b.policy))
     g = plan.global_batch_size
     steps_per_epoch = steps_in_epoch(num_rows, g)
     total_steps = steps_per_epoch * cfg.train.epochs

@@ -341,3 +341,41 @@ def replicas_together(ledger, k: int = 5, quorum: int = 2, files: int = 2, since
     starting). ``files=1, since=t``: a replacement started after ``t`` trains with its peer."""
     return sum(1 for head, recs in ledger_files(ledger) if head.get("t", 0) > since
                and sum(1 for r in recs if "commit" in r and r.get("n") == quorum) >= k) >= files
+
+
+# ------------------------------------------------------ the product's Trainer, without Ray
+def trainer_steps(job, rank: int, ws: int, steps: int, load=None) -> dict:
+    """``steps`` optimizer steps of the product's ``worker.trainer.Trainer`` for ``job`` (a
+    ``JobSpec``) as rank ``rank`` of ``ws`` (``ws > 1``: in an initialised gloo process
+    group), from the live state ``load`` (a ``Trainer.state_dict()``, what a healing
+    replica receives) when given, with no checkpoint, evaluation or ledger; returns its
+    ``state_dict()`` after (model, optimizer, progress)."""
+    import torch
+
+    from elastic_ddp.ledger import LedgerWriter
+    from elastic_ddp.worker.trainer import Trainer
+
+    t = Trainer(job, rank, ws, torch.device("cpu"))
+    t.ledger = LedgerWriter(None, rank, None, ws, t.ft.ledger_mode)  # off
+    if load is not None:
+        t.load_state_dict(load)
+    p = t.progress
+    for _ in range(steps):
+        if p.cursor >= t.n_train:  # as Trainer._loop does at an epoch's end
+            p.epoch, p.cursor = p.epoch + 1, 0
+        assert t.train_step()
+    return t.state_dict()
+
+
+def one_thread_steps(job, steps: int, load=None) -> dict:
+    """:func:`trainer_steps` at world size 1 in this process, on one torch thread (as a
+    job's workers with ``scaling.torch_threads: 1``: a kernel's reduction order may
+    follow the thread count)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return trainer_steps(job, 0, 1, steps, load)
+    finally:
+        torch.set_num_threads(threads)

@@ -27,6 +27,7 @@ from elastic_ddp.batching import (
     micro_slices,
     plan_for_world_size,
     run_length,
+    shard_count,
     split_evenly,
     step_rows,
     steps_in_epoch,
@@ -232,6 +233,36 @@ def test_weighted_rank_gradients_average_to_full_batch_mean(g, micro, ws, policy
     plan1 = _plan(rows, micro, 1, "uneven", 1)
     one = _grads_by_ranks(model, x, y, rows, plan1)[0]
     torch.testing.assert_close(one, full, rtol=1e-12, atol=1e-12)
+
+
+def test_shards_only_where_the_job_may_run_at_world_size_2():
+    """``shard_count``; world size 1's micro-batches are those of both shards."""
+    assert [shard_count(m) for m in (1, 2, 3, 8)] == [1, 2, 2, 2]
+    assert shard_count(4, "scale_lr") == 1  # the global batch differs at world size 2
+    assert plan_for_world_size(64, 64, 1).grad_accum_steps == 1
+    assert plan_for_world_size(64, 64, 1, shards=2).grad_accum_steps == 2  # 2 x 32 rows
+    assert plan_for_world_size(64, 16, 1, shards=2).grad_accum_steps == 4  # as without
+    assert plan_for_world_size(33, 16, 1, "uneven", shards=2).grad_accum_steps == 4  # 17 + 16: 2 each
+    assert plan_for_world_size(33, 16, 2, "uneven", shards=2).grad_accum_steps == 2
+
+
+@pytest.mark.parametrize("sizes", [(16, 16), (17, 16), (3, 2), (1, 0), (40, 39), (0, 0)])
+@pytest.mark.parametrize("micro", [16, 8, 5])
+def test_world_size_1_cuts_its_shards_as_world_size_2_ranks_cut_their_rows(sizes, micro):
+    """The micro-batches of world size 1 (shards) and of the two ranks of world size 2:
+    the same rows, counts, units (the seed) and BatchNorm guard decisions, in order."""
+    from elastic_ddp.worker.micro_steps import micro_batches
+
+    n = sum(sizes)
+    shard_rows = [np.arange(sizes[0]), np.arange(sizes[0], n)]
+    one = micro_batches([n], 0, micro, shard_rows)
+    two = [mb for r in range(2) for mb in micro_batches(list(sizes), r, micro)]
+    assert [(m.count, m.unit, m.smallest) for m in one] == [(m.count, m.unit, m.smallest) for m in two]
+    offsets = [0] * (len(two) // 2) + [sizes[0]] * (len(two) // 2)
+    assert [m.rows.tolist() for m in one] == [list(range(o + m.rows.start, o + m.rows.stop))
+                                               for o, m in zip(offsets, two)]
+    # Shard 0's gradient is set aside only when its micro-batches are several.
+    assert [m.shard_end for m in one].count(True) == (len(one) > 2)
 
 
 def test_unweighted_mean_per_rank_is_not_exact():

@@ -47,7 +47,7 @@ def _steps(strategy, cfg, task, first: int, n: int, rank: int, ws: int) -> list[
         x = torch.randint(0, 256, (12, 17), generator=torch.Generator().manual_seed(1000 + step))
         per = 12 // ws
         loss_vec, _ = task.loss(strategy.model, {"tokens": x[rank * per:(rank + 1) * per]})
-        (loss_vec.sum() * ws / 12).backward()
+        (loss_vec.sum() * strategy.grad_divisor / 12).backward()  # the mean over 12 rows
         strategy.clip_grad_norm(1.0)
         strategy.optimizer.step()
         strategy.optimizer.zero_grad(set_to_none=True)

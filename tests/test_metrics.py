@@ -146,6 +146,24 @@ def _two_rank_body(rank: int, init_file: str, out: dict) -> None:
             ddp(x).square().sum().backward()
         allreduce_gradients(ddp, 2)
         out[f"equal{rank}"] = all(torch.equal(p.grad, w) for p, w in zip(ddp.parameters(), want))
+
+        # The SUM hook of plain DDP (comm_hooks.allreduce_sum): the hand all-reduce
+        # without a divisor gives its gradient exactly, twice the average's bits.
+        from elastic_ddp.parallel.comm_hooks import allreduce_sum
+
+        torch.manual_seed(0)  # the same weights, in a module no other DDP wraps
+        net2 = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        summing = torch.nn.parallel.DistributedDataParallel(net2)
+        summing.register_comm_hook(None, allreduce_sum)
+        summing.zero_grad(set_to_none=True)
+        summing(x).square().sum().backward()
+        got = [p.grad.clone() for p in summing.parameters()]
+        summing.zero_grad(set_to_none=True)
+        with summing.no_sync():
+            summing(x).square().sum().backward()
+        allreduce_gradients(summing, 1)
+        out[f"sum_equal{rank}"] = (all(torch.equal(p.grad, g) for p, g in zip(summing.parameters(), got))
+                                   and all(torch.equal(g, 2 * w) for g, w in zip(got, want)))
     finally:
         dist.destroy_process_group()
 
@@ -179,3 +197,4 @@ def test_reduce_and_probe_allreduce_on_a_real_gloo_group(tmp_path):
                                        "mem_mean": 15.0, "mem_max": 20.0, "mem_min": 10.0}
         assert out[f"sums{rank}"] == {"count": 10.0}
         assert out[f"equal{rank}"], "hand all-reduce differs from DDP's gradient"
+        assert out[f"sum_equal{rank}"], "SUM hook differs from the hand all-reduce or from 2 x the average"

@@ -174,19 +174,45 @@ def test_bytes_read_per_rank_follow_the_share(tmp_path):
         assert sum(per_rank) <= 1.1 * whole
 
 
+@pytest.mark.parametrize("order,data", [("windowed", {"shuffle_window_rows": 64}),
+                                        ("windowed", {"shuffle_window_rows": 1, "partitions": 5}),
+                                        ("permutation", {})])
+def test_world_size_1_shards_hold_the_rows_of_world_size_2_ranks_in_their_order(tmp_path, order, data):
+    """``EpochOrder.shard_index``: shard s of world size 1's batch is, row for row, what
+    rank s of world size 2 reads for the same step (the remainder step included; 5
+    partitions: ranks of unequal shares)."""
+    cfg = _cfg(_data(tmp_path), order, **data)
+    info = scan_parquet(tmp_path, Echo.columns)
+    g = 24  # 300 rows: 12 steps and a remainder of 12
+    o, one = open_train_reader(info, Echo(), cfg, 0, 1, 1, 0, g, [g], local=True, template=T)
+    two = [open_train_reader(info, Echo(), cfg, r, 2, 1, 0, g, [g // 2] * 2, local=True, template=T)[1]
+           for r in range(2)]
+    for c in range(0, 300, g):
+        n = min(g, 300 - c)
+        ids = one.take(c, n)["sample_id"]
+        shards = o.shard_index(c, n, 2)
+        assert sorted(np.concatenate(shards).tolist()) == list(range(n))
+        for r in range(2):
+            assert ids[shards[r]].tolist() == two[r].take(c, n)["sample_id"].tolist(), (c, r)
+
+
 def test_val_batches_same_count_on_every_rank_and_every_row_once(tmp_path):
     _data(tmp_path, n=50, files=2, rg=7)
     info = scan_parquet(tmp_path, Echo.columns)
     template = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64)}
-    for ws in (1, 3, 7, 64):  # 64 ranks: most have no row at all
-        share = math.ceil(50 / ws)
-        n_batches = math.ceil(share / 4)
-        seen = []
-        for r in range(ws):
-            batches = list(val_batches(info, Echo(), 0, 0, r, ws, 4, n_batches, template, local=True))
-            assert len(batches) == n_batches
-            seen.extend(np.concatenate([b["sample_id"] for b in batches]).tolist())
-        assert sorted(seen) == list(range(0, 500, 10))
+    for max_batches, rows in ((None, 50), (5, 20)):  # 5 batches of 4: the first 20 rows
+        ref = None
+        for ws in (1, 2, 3, 7, 64):  # 64 ranks: most have no row at all
+            n_batches = math.ceil(math.ceil(rows / 4) / ws)
+            got = []
+            for r in range(ws):
+                batches = list(val_batches(info, Echo(), 0, 0, r, ws, 4, max_batches, template, local=True))
+                assert len(batches) == n_batches
+                got.extend(b["sample_id"].tolist() for b in batches if len(b["sample_id"]))
+            # The same batches, of the same rows in the same order, at every world size.
+            ref = ref or got
+            assert got == ref, (ws, max_batches)
+            assert sorted(i for b in got for i in b) == list(range(0, 10 * rows, 10))
 
 
 def test_a_view_change_reuses_the_windows_held_and_reads_the_rest_first(tmp_path):

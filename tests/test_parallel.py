@@ -89,7 +89,7 @@ def _train(strategy, cfg, steps, rank, ws, start_step=0, micro=2):
         for i, (xm, ym) in enumerate(parts):  # two micro-steps: no_sync on the first
             with strategy.maybe_no_sync(i == len(parts) - 1):
                 loss_vec, _ = per_sample_loss(strategy.model, cfg, xm, ym)
-                (loss_vec.sum() * ws / 12).backward()
+                (loss_vec.sum() * strategy.grad_divisor / 12).backward()  # the mean over 12 rows
             total += float(loss_vec.detach().sum())
         strategy.clip_grad_norm(1.0)
         strategy.optimizer.step()

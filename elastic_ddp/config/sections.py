@@ -228,8 +228,9 @@ class TrainConfig(Section):
         0, ge=0, description="Compare a parameter checksum across ranks; 0 disables."
     )
     eval_max_batches: Optional[int] = Field(
-        None, ge=1, description="Cap validation batches per rank (quick runs)."
-    )
+        None, ge=1, description=(
+            "Validate on the first eval_max_batches x 2 x micro_batch_size rows of the val "
+            "split only, shared by the ranks: the same rows at every world size (quick runs)."))
     max_nonfinite_steps: int = Field(
         3, ge=1, description=(
             "A step whose gradient is not finite (NaN/inf on any rank) is skipped by every "

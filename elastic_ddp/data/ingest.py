@@ -269,16 +269,30 @@ def take_rows(arrays: dict[str, np.ndarray], idx) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------------- readers
+def val_share(num_rows: int, batch_size: int, rank: int, world_size: int,
+              max_batches: Optional[int] = None) -> tuple[int, int, int]:
+    """Rank ``rank``'s share of validation: ``(first row, end row, batches per rank)``.
+
+    The evaluated rows (the first ``max_batches x batch_size`` of the split in file
+    order, all without ``max_batches``) are cut into batches of ``batch_size`` rows at
+    fixed offsets, and rank r takes the contiguous run of batches ``[r B / ws, (r + 1) B
+    / ws)`` (B batches in all). A batch holds the same rows at every world size, so the
+    per-batch sums, and the metrics, do not depend on it. Every rank runs the same
+    number of batches, ``ceil(B / ws)``, padded with empty ones."""
+    n = num_rows if not max_batches else min(num_rows, max_batches * batch_size)
+    total = math.ceil(n / batch_size)
+    first, last = rank * total // world_size, (rank + 1) * total // world_size
+    return min(n, first * batch_size), min(n, last * batch_size), math.ceil(total / world_size)
+
+
 def val_batches(info: DatasetInfo, task: Task, seed: int, epoch: int, rank: int,
-                world_size: int, batch_size: int, n_batches: int,
+                world_size: int, batch_size: int, max_batches: Optional[int],
                 template: dict[str, Any], local: bool = False) -> Iterator[dict[str, np.ndarray]]:
-    """Exactly ``n_batches`` batches of at most ``batch_size`` rows of this rank's
-    contiguous share of the validation split (rows ``[r N / ws, (r + 1) N / ws)`` in file
-    order), transformed with ``split="val"``; empty batches (shaped like ``template``)
-    once the share is used up, so every rank runs the same number of forward passes."""
-    n = info.num_rows
-    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
-    hi = min(hi, lo + batch_size * n_batches)
+    """This rank's batches of the validation split (:func:`val_share`: its run of the
+    split's batches of ``batch_size`` rows, of at most ``max_batches`` batches in all),
+    transformed with ``split="val"``; empty batches (shaped like ``template``) once the
+    share is used up, so every rank runs the same number of forward passes."""
+    lo, hi, n_batches = val_share(info.num_rows, batch_size, rank, world_size, max_batches)
     windows, start = [], 0
     for g in info.row_groups:
         a, b = max(lo, start), min(hi, start + g.num_rows)

@@ -231,6 +231,27 @@ class EpochOrder:
             out[owner(p, self.partitions, world_size)] += b - a
         return out
 
+    def shard_index(self, cursor: int, n_rows: int, shards: int) -> list[np.ndarray]:
+        """Where each shard's rows lie in world size 1's batch of the step ``[cursor,
+        cursor + n_rows)`` (``batching.shard_count``): shard s holds the rows rank s of
+        world size ``shards`` computes, in the order that rank's reader delivers them.
+        Returns ``shards`` int64 arrays of positions in the batch as ``take`` lays it out
+        (windowed: partition by partition, so shard s is the segments of the partitions
+        ``p % shards == s``; permutation: by position, so shard s is the s-th block of
+        ``rank_rows(cursor, n_rows, shards)``)."""
+        out: list[list[np.ndarray]] = [[] for _ in range(shards)]
+        if self.mode == "permutation":
+            start = 0
+            for s, k in enumerate(self.rank_rows(cursor, n_rows, shards)):
+                out[s].append(np.arange(start, start + k, dtype=np.int64))
+                start += k
+        else:
+            start = 0
+            for p, a, b in self.segments(cursor, n_rows):
+                out[owner(p, self.partitions, shards)].append(np.arange(start, start + b - a, dtype=np.int64))
+                start += b - a
+        return [np.concatenate(parts) if parts else np.zeros(0, np.int64) for parts in out]
+
     # -- permutation -----------------------------------------------------------------------
     @cached_property
     def permutation(self) -> np.ndarray:

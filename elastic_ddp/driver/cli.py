@@ -312,6 +312,8 @@ def _plan(cfg) -> int:
                     f"{k}-{k + 1} partitions per rank (exact order, unbalanced)")
         else:
             note = "even" if plan.even else "uneven (loss-weighted, exact mean)"
+        if ws == 1 and plan.shards > 1:
+            note += f"; as {plan.shards} shards: bitwise the training of world size {plan.shards}"
         print(f"{ws:>10} {plan.global_batch_size:>7} {rr:>12} {plan.grad_accum_steps:>10} "
               f"{plan.lr_multiplier:>6.2f}  {note}")
     return 0

@@ -1,5 +1,6 @@
 """DDP communication hooks and their state, and the ZeRO memory formula.
 
+- the plain SUM all-reduce (DDP's default averages);
 - bf16 / fp16 compression of the gradient all-reduce (PyTorch "DDP Communication Hooks");
 - PowerSGD (Vogels et al. 2019): when it starts, and its state in the checkpoint;
 - ``zero_memory_bytes``: model-state memory per rank under ZeRO stages 0-3.
@@ -14,6 +15,16 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.config import Config
+
+
+def allreduce_sum(state, bucket):
+    """DDP's all-reduce without its division by the world size: the bucket's SUM over
+    the ranks (``state``: the process group, None for the default one). The loss
+    weights carry the mean instead (``Strategy.grad_divisor``), so a micro-batch's
+    gradient does not depend on the world size. Costs one Python call per bucket over
+    DDP's built-in hook."""
+    return (dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
+            .then(lambda fut: fut.value()[0]))
 
 
 def bf16_compress(state, bucket):

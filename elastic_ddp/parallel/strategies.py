@@ -11,6 +11,8 @@
 - ``ddp``: ``DistributedDataParallel`` with its knobs (``bucket_cap_mb``,
   ``gradient_as_bucket_view``, ``static_graph``, ``find_unused_parameters``) and an
   optional comm hook (bf16/fp16 compression, PowerSGD; PyTorch "DDP Communication Hooks").
+  Without one, gradients are SUM-all-reduced (``comm_hooks.allreduce_sum``), not averaged:
+  the loss weights are then the same at every world size (``grad_divisor``).
 - ``zero1``: DDP + ``ZeroRedundancyOptimizer``: optimizer state sharded across ranks
   (ZeRO stage 1, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations ...", sec. 5.1).
   Checkpoints consolidate the optimizer on rank 0, so they load at any world size.
@@ -31,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from elastic_ddp.parallel.comm_hooks import (bf16_compress, load_powersgd_state, powersgd_state,  # noqa: F401
-                                    powersgd_start_step, zero_memory_bytes)
+from elastic_ddp.parallel.comm_hooks import (allreduce_sum, bf16_compress, load_powersgd_state,  # noqa: F401
+                                    powersgd_state, powersgd_start_step, zero_memory_bytes)
 from elastic_ddp.config import Config
 
 
@@ -109,9 +111,18 @@ class Strategy:
         one (plain DDP, several ranks, no compression hook: the same maths)."""
         return False
 
+    @property
+    def grad_divisor(self) -> int:
+        """What the gradient reduction divides the ranks' sum by: 1 where it sums (one
+        process; DDP without a comm hook), the world size where it averages (a
+        compression comm hook, FSDP's reduce-scatter). A micro-batch's loss is weighted
+        ``grad_divisor / G`` so that the reduced gradient is the mean over the G rows."""
+        return 1
+
     def allreduce_gradients(self) -> None:
-        """The probe's explicit gradient average (see ``can_probe``)."""
-        allreduce_gradients(self.model, self.world_size)
+        """The probe's explicit gradient all-reduce (see ``can_probe``), the same sum as
+        the comm hook's."""
+        allreduce_gradients(self.model, self.grad_divisor)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to ``max_norm`` (0: no clipping) and return the global gradient norm
@@ -188,10 +199,18 @@ class DDPStrategy(Strategy):
     def can_probe(self) -> bool:
         return self.distributed and self.cfg.parallel.comm_hook == "none"
 
+    @property
+    def grad_divisor(self) -> int:
+        return self.world_size if self.distributed and self.cfg.parallel.comm_hook != "none" else 1
+
     def _register_comm_hook(self, hook: str) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if hook == "none":
+            # SUM, not DDP's average: a micro-batch's gradient is then the same bits at
+            # every world size (weight 1 / G), and the all-reduce of two ranks is the
+            # sum world size 1 makes of its two shards (batching, "Shards").
+            self.model.register_comm_hook(None, allreduce_sum)
             return
         if hook == "bf16":
             self.model.register_comm_hook(None, bf16_compress)
@@ -269,6 +288,10 @@ class FSDPStrategy(Strategy):
     def check_params_equal(self, step: int) -> None:
         return  # fsdp ranks hold different shards by design
 
+    @property
+    def grad_divisor(self) -> int:
+        return self.world_size if self.distributed else 1  # the reduce-scatter averages
+
     def full_state(self, rank: int) -> dict[str, Any]:
         if not self.distributed:
             return super().full_state(rank)
@@ -292,14 +315,16 @@ class FSDPStrategy(Strategy):
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=opts)
 
 
-def allreduce_gradients(model: nn.Module, ws: int) -> None:
-    """Average gradients over ranks by hand, as DDP's default comm hook does (divide by
-    ws, then all-reduce SUM), in one flat buffer per dtype -- one collective, like one
-    big DDP bucket, so its time is the whole all-reduce. Costs a gradient-sized copy."""
+def allreduce_gradients(model: nn.Module, divisor: int = 1) -> None:
+    """All-reduce gradients over ranks by hand (divide by ``divisor``, then all-reduce
+    SUM, as a DDP comm hook does), in one flat buffer per dtype -- one collective, like
+    one big DDP bucket, so its time is the whole all-reduce. Costs a gradient-sized copy."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     for dtype in sorted({g.dtype for g in grads}, key=str):
         group = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in group]).div_(ws)
+        flat = torch.cat([g.reshape(-1) for g in group])
+        if divisor != 1:
+            flat.div_(divisor)
         dist.all_reduce(flat)
         offset = 0
         for g in group:

@@ -1,9 +1,9 @@
-"""Validation: the task's per-sample metrics over the whole val split, exact means however
-the rows are split over ranks. Used by ``Trainer.evaluate``."""
+"""Validation: the task's per-sample metrics over the whole val split (or its first
+``train.eval_max_batches`` batches), exact means however the rows are split over ranks.
+Used by ``Trainer.evaluate``."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -14,8 +14,9 @@ from elastic_ddp.data.ingest import val_batches
 @torch.no_grad()
 def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) -> dict[str, float]:
     """Validation metrics over the whole val split (``val_<name>``, exact means over
-    its rows whatever the split across ranks). Every rank runs the same number of
-    batches and the same all-reduce, also a rank whose share is empty.
+    its rows whatever the split across ranks; a batch holds the same rows at every world
+    size, ``ingest.val_share``). Every rank runs the same number of batches and the same
+    all-reduce, also a rank whose share is empty.
 
     ``t``: the rank's ``elastic_ddp.worker.trainer.Trainer``; ``rank``/``world_size``: how the
     split is shared (default: the trainer's; ``0``/``1``: this process alone)."""
@@ -26,9 +27,6 @@ def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) ->
     world_size = t.world_size if world_size is None else world_size
     s = t.strategy
     bs = max(1, t.cfg.batch.micro_batch_size * 2)
-    n_batches = math.ceil(math.ceil(val.num_rows / world_size) / bs)
-    if t.cfg.train.eval_max_batches:
-        n_batches = min(n_batches, t.cfg.train.eval_max_batches)
     s.model.eval()
     if t._eval_names is None:
         # Every rank, the same one-row forward (collective under FSDP): the metric
@@ -39,7 +37,7 @@ def evaluate(t, rank: Optional[int] = None, world_size: Optional[int] = None) ->
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)
     try:
         for batch in val_batches(val, t.task, t.cfg.seed, t.progress.epoch, rank,
-                                 world_size, bs, n_batches, t.job.sample["val"]):
+                                 world_size, bs, t.cfg.train.eval_max_batches, t.job.sample["val"]):
             k = len(batch[val.id_column])
             if k == 0:  # FSDP: the same forward count on every rank (the sample row)
                 if s.collective_forward:

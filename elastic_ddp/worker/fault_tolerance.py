@@ -48,9 +48,11 @@ class RestartFaultTolerance:
         return self.t.rank, self.t.world_size
 
     def loss_weight(self, n: int) -> float:
-        """Per-sample loss weight of a step of ``n`` rows: DDP averages gradients over the
-        ranks, so ``world_size / n`` gives the mean over the step's rows."""
-        return self.t.world_size / n
+        """Per-sample loss weight of a step of ``n`` rows: ``1 / n`` with DDP's SUM
+        all-reduce (the same weight at every world size), ``world_size / n`` where the
+        strategy's reduction averages (``Strategy.grad_divisor``): the mean over the
+        step's rows either way."""
+        return self.t.strategy.grad_divisor / n
 
     def sync_gradients(self, probe: bool, sums: Optional[dict] = None) -> tuple[bool, Optional[dict]]:
         """After the backward passes: the probe step's explicit all-reduce (DDP did the

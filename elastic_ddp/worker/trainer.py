@@ -243,10 +243,12 @@ class Trainer:
     def train_step(self) -> bool:
         """One optimizer step over the global positions ``[cursor, cursor + G)``: this
         rank's rows in ``grad_accum_steps`` micro-batches (DDP ``no_sync`` on all but the
-        last), each micro-batch's loss weighted (``ft.loss_weight``) so that the all-reduced
-        gradient is the exact mean over the step's rows. A step whose gradient is not
-        finite on any rank is skipped by every rank (the same norm everywhere after the
-        all-reduce). Returns False when the step was not committed (redo it)."""
+        last; ``micro_steps.forward_backward``: each micro-batch seeded by its place in the
+        step, so dropout does not depend on the rank), each micro-batch's loss weighted
+        (``ft.loss_weight``) so that the all-reduced gradient is the exact mean over the
+        step's rows. A step whose gradient is not finite on any rank is skipped by every
+        rank (the same norm everywhere after the all-reduce). Returns False when the step
+        was not committed (redo it)."""
         p, cfg = self.progress, self.cfg
         t0 = time.perf_counter()
         rank, ws = self.ft.begin_step()
@@ -268,9 +270,6 @@ class Trainer:
                    self.run.warmup_samples, cfg.optim.min_lr_ratio)
         for g in self.strategy.optimizer.param_groups:
             g["lr"] = lr
-        # Per-step seeding makes dropout a function of (seed, step, rank) alone: RNG
-        # streams cannot "continue" across a resize, where ranks change their rows.
-        torch.manual_seed(cfg.seed * 1_000_003 + p.step * 1009 + rank)
         ids = np.asarray(batch[self.job.train.id_column])
         probe = self.should_log(p.step + 1) and p.step > 0 and self.strategy.can_probe
         try:
