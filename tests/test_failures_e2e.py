@@ -341,13 +341,15 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
     assert p.returncode == 130, out[-3000:]
     (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "KILLED", run.info.status
+    assert out.strip().endswith(f"elastic-ddp: interrupted (MLflow run {run.info.run_id} KILLED, "
+                                "checkpoints kept); run the same command to resume it"), out[-3000:]
 
 
 @pytest.mark.ray  # starts its own local Ray in the subprocess
 def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
     """A Ctrl-C in fit() (where Ray Train's own SIGINT handler would sys.exit(0), ending
     the command with status 1 and no word) aborts the controller, closes the run KILLED,
-    and the CLI says "interrupted" and exits 130."""
+    and the CLI says "interrupted", names the run and how to resume, and exits 130."""
     data = tmp_path / "data"
     write_rows(data / "train" / "part-0.parquet", range(32))
     write_rows(data / "val" / "part-0.parquet", range(100, 104))
@@ -367,9 +369,11 @@ def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
     p.send_signal(signal.SIGINT)
     out = "".join(lines) + p.communicate(timeout=120)[0]
     print(out[-3000:])
-    assert p.returncode == 130 and "interrupted" in out, out[-3000:]
+    assert p.returncode == 130, out[-3000:]
     (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "KILLED", run.info.status
+    assert (f"elastic-ddp: interrupted (MLflow run {run.info.run_id} KILLED, checkpoints kept); "
+            "run the same command to resume it") in out, out[-3000:]
 
 
 # -------------------------------------- slow: errors in evaluation and the read, renumbered ids

@@ -166,19 +166,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "run in use" if isinstance(e, RunBusyError) else "config error")
         print(f"elastic-ddp: {kind}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # The launcher has already closed the MLflow run as KILLED; checkpoints stay.
-        print("elastic-ddp: interrupted", file=sys.stderr)
+        from elastic_ddp.driver.stop import INTERRUPTED_BEFORE_RUN, JobInterrupted
+
+        msg = (str(e) if isinstance(e, JobInterrupted) else
+               INTERRUPTED_BEFORE_RUN if args.cmd == "train" else "interrupted")
+        print(f"elastic-ddp: {msg}", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - map known input errors to exit 2
-        from elastic_ddp.data.scan import DataError
+    except BaseException as e:
         from elastic_ddp.driver.stop import EXIT_STOPPED, JobStopped
 
-        if isinstance(e, JobStopped):
+        if isinstance(e, JobStopped):  # SIGTERM: a BaseException, as Ctrl-C's is
             print(f"elastic-ddp: {e}", file=sys.stderr)
             return EXIT_STOPPED
+        if not isinstance(e, Exception):
+            raise
+        from elastic_ddp.data.scan import DataError
 
-        if isinstance(e, DataError):
+        if isinstance(e, DataError):  # known input errors: exit 2
             print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)
             return 2
         raise

@@ -29,8 +29,8 @@ from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, che
                                           check_tracking_store, prepare, process_start_time,
                                           tracking_uri_field, job_spec)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
-from elastic_ddp.driver.stop import (EarlySigterm, JobStopped, SigtermStop,  # noqa: F401 - JobStopped re-exported
-                                     StoppedBeforeTraining)
+from elastic_ddp.driver.stop import (EarlySigterm, JobInterrupted, JobStopped,  # noqa: F401 - JobStopped re-exported
+                                     SigtermStop, StoppedBeforeTraining)
 from elastic_ddp.run_state import Diagnostics
 
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
@@ -334,9 +334,10 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             except BaseException:  # noqa: BLE001 - the open failed too (or was never sent): no run is left open
                 opener.cancel()
                 raise e from None
-            killed = not isinstance(e, Exception) or isinstance(e, StoppedBeforeTraining)
+            killed = not isinstance(e, Exception)  # Ctrl-C, SIGTERM (JobStopped)
             _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
                           "KILLED" if killed else "FAILED", opener)
+            _raise_interrupted(e, run_id, cfg)
             raise
         finally:
             lease.release()
@@ -372,9 +373,6 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.controller.failures import describe_training_error
 
-        if isinstance(e, StoppedBeforeTraining):
-            _close_failed(uri, run_id, tracker, str(e), "KILLED", opener)
-            raise
         if stop is not None and stop.stopped(e):
             _close_failed(uri, run_id, tracker, "stopped on SIGTERM at a checkpoint", "KILLED", opener)
             raise JobStopped(f"stopped on SIGTERM at a checkpoint (MLflow run {run_id} KILLED); "
@@ -383,15 +381,24 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         msg = describe_training_error(e)
         _close_failed(uri, run_id, tracker, msg, "FAILED", opener)
         raise TrainingError(f"training failed (MLflow run {run_id} marked FAILED): {msg}") from e
-    except BaseException:
-        # Ctrl-C or SystemExit: the run must not stay RUNNING in the store; checkpoints
-        # are kept, so resubmitting the same run.name resumes it.
-        _close_failed(uri, run_id, tracker, "interrupted", "KILLED", opener)
+    except BaseException as e:
+        # Ctrl-C, SIGTERM before fit or SystemExit: the run must not stay RUNNING in the
+        # store; checkpoints are kept, so resubmitting the same run.name resumes it.
+        _close_failed(uri, run_id, tracker, str(e) if isinstance(e, StoppedBeforeTraining)
+                      else "interrupted", "KILLED", opener)
+        _raise_interrupted(e, run_id, cfg)
         raise
     finally:
         opener.finish()
         _kill(host, tracker)
         lease.release()
+
+
+def _raise_interrupted(e: BaseException, run_id: str, cfg: Config) -> None:
+    """Ctrl-C once the run exists: raised again as :class:`JobInterrupted`, whose message
+    names the run and how to resume (the CLI prints it)."""
+    if isinstance(e, KeyboardInterrupt) and not isinstance(e, JobInterrupted):
+        raise JobInterrupted.of_run(run_id, cfg.run.resume) from None
 
 
 def _after_failed_fit(tracker) -> None:

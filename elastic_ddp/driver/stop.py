@@ -26,9 +26,14 @@ from elastic_ddp.background import start_deferring_signals
 EXIT_STOPPED = 143
 
 
-class JobStopped(Exception):
+class JobStopped(BaseException):
     """The job stopped on SIGTERM at a committed checkpoint; its MLflow run is KILLED
-    and running the same command resumes it."""
+    and running the same command resumes it.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: raised in the main thread wherever
+    it is (:class:`EarlySigterm`), it must pass every ``except Exception`` on its way out
+    (the user's task module being imported, the task's dry run, a library call) instead
+    of being reported as that code's error."""
 
 
 class SigtermStop:
@@ -89,6 +94,22 @@ class SigtermStop:
                 return True
             e = getattr(e, "controller_failure", None) or e.__cause__
         return "StopRequested" in str(error)
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or a second SIGTERM) after the job's MLflow run was opened: the run is
+    KILLED, its checkpoints are kept; the message names the run and how to resume."""
+
+    @classmethod
+    def of_run(cls, run_id: str, resume: bool) -> "JobInterrupted":
+        again = ("run the same command to resume it" if resume else
+                 "run.resume is false: the same command starts a new run")
+        return cls(f"interrupted (MLflow run {run_id} KILLED, checkpoints kept); {again}")
+
+
+#: Ctrl-C of ``train`` before its MLflow run was opened (the checks, the data scan).
+INTERRUPTED_BEFORE_RUN = ("interrupted before the job started: no MLflow run was opened and "
+                          "no checkpoint written; run the same command to start the job")
 
 
 STOPPED_BEFORE_TRAINING = ("stopped on SIGTERM before training started (nothing to checkpoint); "
