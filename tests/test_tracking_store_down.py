@@ -90,3 +90,64 @@ def test_a_listening_server_passes(tmp_path):
         srv.close()
     with pytest.raises(ConfigError, match="postgresql"):
         check_tracking_store(f"postgresql://u:p@127.0.0.1:{_closed_port()}/db")
+
+
+@pytest.mark.parametrize("where", ["config", "env"])
+def test_a_scheme_mlflow_has_no_store_for_exits_2_naming_the_field_and_the_schemes(tmp_path, where):
+    """``htp://`` (a typo of http): one config-error line naming the field, the scheme and
+    those MLflow accepts, exit 2, before the data scan, MLflow or Ray start (the data
+    path here does not exist: a later check would say so instead)."""
+    raw = digits_config(tmp_path / "no-data", tmp_path)
+    env = {}
+    if where == "config":
+        raw["run"]["tracking_uri"], field = "htp://foo", "run.tracking_uri"
+    else:
+        raw["run"]["tracking_uri"], field = None, "MLFLOW_TRACKING_URI"
+        env["MLFLOW_TRACKING_URI"] = "htp://foo"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    p = _cli(["train", str(path), "--no-progress"], env, tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"elastic-ddp: config error: {field}='htp://foo': MLflow has no "
+                           "tracking store for the scheme 'htp'; use one of file:, sqlite:"), line
+    assert "http:, https:" in line and "Traceback" not in p.stderr
+    assert not (tmp_path / "ray_results").exists() and not (tmp_path / "mlflow.db").exists()
+    assert p.stdout == ""
+
+
+def test_submit_refuses_the_scheme_before_contacting_the_cluster(tmp_path):
+    from elastic_ddp.config import ConfigError
+    from elastic_ddp.driver.submit import prepare
+
+    with pytest.raises(ConfigError, match=r"run.tracking_uri='htp://mlflow:5000': MLflow has no "
+                                          r"tracking store for the scheme 'htp'"):
+        prepare(str(REPO / "experiments/configs/digits_cnn.yaml"),
+                ["run.tracking_uri=htp://mlflow:5000"], "http://10.0.0.1:8265", environ={})
+
+
+def test_the_accepted_schemes_are_mlflows():
+    """The schemes the check accepts without importing MLflow are those the installed
+    MLflow registers as tracking stores (less Unity Catalog's, which refuse to be one)."""
+    from mlflow.tracking._tracking_service import utils
+
+    from elastic_ddp.driver.preflight import accepted_schemes
+
+    registered = set(utils._tracking_store_registry._registry) - {"", "databricks-uc", "uc"}
+    assert set(accepted_schemes()) == registered
+
+
+def test_a_sqlite_store_in_a_missing_directory_is_refused_and_not_created(tmp_path):
+    raw = digits_config(tmp_path / "no-data", tmp_path)
+    missing = tmp_path / "no" / "such"
+    raw["run"]["tracking_uri"] = f"sqlite:///{missing}/m.db"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    p = _cli(["train", str(path), "--no-progress"], {}, tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    (line,) = p.stderr.strip().splitlines()
+    assert line == (f"elastic-ddp: config error: run.tracking_uri=sqlite:///{missing}/m.db: cannot "
+                    f"create the MLflow database m.db (the directory {missing} does not exist); "
+                    f"create the directory first (mkdir -p {missing}), or point run.tracking_uri "
+                    "at a directory you can write"), line
+    assert not (tmp_path / "no").exists() and not (tmp_path / "ray_results").exists()

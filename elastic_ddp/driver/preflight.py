@@ -54,23 +54,101 @@ _STORE_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "ms
 STORE_CONNECT_TIMEOUT_S = 5.0
 
 
-def check_tracking_store(uri: str, field: str = "run.tracking_uri") -> None:
-    """Refuse a tracking server nothing answers at, before Ray starts: MLflow's client
-    would retry each request for minutes (and the job's own retries on top of that)
-    before failing with a traceback. One TCP connection, at most
-    :data:`STORE_CONNECT_TIMEOUT_S` seconds; a local store (``sqlite:``, ``file:``, a
-    path) is not checked here. ``field``: where the URI came from, for the message.
+# The schemes of MLflow's own tracking stores (mlflow.tracking._tracking_service.utils
+# registers them; its Unity Catalog schemes, databricks-uc and uc, refuse to be one);
+# plugins add theirs as entry points of this group. A URI without a scheme is a path.
+MLFLOW_STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https",
+                        "databricks")
+MLFLOW_STORE_PLUGINS = "mlflow.tracking_store"
+
+
+def tracking_scheme(uri: str) -> str:
+    """The store kind of a tracking URI as MLflow reads it: the URL's scheme, lower
+    case, without a database driver (``postgresql+psycopg2`` -> ``postgresql``); ""
+    for a path."""
+    from urllib.parse import urlsplit
+
+    if uri.strip() == "databricks":
+        return "databricks"
+    try:
+        scheme = urlsplit(uri).scheme
+    except ValueError:
+        scheme = uri.split(":", 1)[0] if ":" in uri else ""
+    return scheme.split("+", 1)[0].lower()
+
+
+def accepted_schemes() -> list[str]:
+    """MLflow's tracking store schemes and those of installed plugins."""
+    from importlib.metadata import entry_points
+
+    return [*MLFLOW_STORE_SCHEMES, *sorted({e.name for e in entry_points(group=MLFLOW_STORE_PLUGINS)}
+                                            - set(MLFLOW_STORE_SCHEMES))]
+
+
+def check_tracking_scheme(uri: str, field: str = "run.tracking_uri") -> None:
+    """Refuse a tracking URI whose scheme no MLflow store registers (a typo such as
+    ``htp://``): MLflow would fail only when the run is opened.
 
     Raises:
-        ConfigError: ``http(s)://``, ``postgresql://``, ``mysql://`` or ``mssql://``
-            host:port refuses or does not answer a TCP connection in time.
+        ConfigError: naming ``field`` and the accepted schemes.
+    """
+    from elastic_ddp.config import ConfigError
+
+    scheme = tracking_scheme(uri)
+    if scheme and scheme not in accepted_schemes():
+        raise ConfigError(
+            f"{field}={uri!r}: MLflow has no tracking store for the scheme {scheme!r}; use "
+            f"one of {', '.join(s + ':' for s in accepted_schemes())} (e.g. "
+            "http://127.0.0.1:5000, sqlite:////abs/path/mlflow.db), or a directory path")
+
+
+def check_tracking_uri(uri: str, field: str = "run.tracking_uri") -> None:
+    """Refuse a tracking URI MLflow cannot open, before anything starts: a scheme no
+    store registers (:func:`check_tracking_scheme`), and a ``sqlite:///`` file whose
+    directory does not exist or cannot be written (MLflow would create the directories;
+    a missing directory is a typo as often as a missing data path is).
+
+    Raises:
+        ConfigError: naming ``field``, the accepted schemes or the directory.
+    """
+    from elastic_ddp.config import ConfigError
+    from elastic_ddp.tracking.store import sqlite_path
+
+    check_tracking_scheme(uri, field)
+    db = sqlite_path(uri)
+    if db is None or db.exists():
+        return
+    d = db.parent
+    why = (f"the directory {d} does not exist" if not d.exists() else
+           f"{d} is not a directory" if not d.is_dir() else
+           f"the directory {d} is not writable by this user" if not os.access(d, os.W_OK | os.X_OK)
+           else None)
+    if why:
+        raise ConfigError(f"{field}={uri}: cannot create the MLflow database {db.name} ({why}); "
+                          f"create the directory first (mkdir -p {d}), or point {field} at a "
+                          "directory you can write")
+
+
+def check_tracking_store(uri: str, field: str = "run.tracking_uri") -> None:
+    """Refuse a tracking URI MLflow cannot use (:func:`check_tracking_uri`) and a
+    tracking server nothing answers at, before Ray starts: MLflow's client would retry
+    each request for minutes (and the job's own retries on top of that) before failing
+    with a traceback. One TCP connection, at most :data:`STORE_CONNECT_TIMEOUT_S`
+    seconds; a local store (``sqlite:``, ``file:``, a path) gets no connection.
+    ``field``: where the URI came from, for the message.
+
+    Raises:
+        ConfigError: see :func:`check_tracking_uri`; ``http(s)://``, ``postgresql://``,
+            ``mysql://`` or ``mssql://`` host:port refuses or does not answer a TCP
+            connection in time.
     """
     import socket
     from urllib.parse import urlsplit
 
     from elastic_ddp.config import ConfigError
 
-    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    check_tracking_uri(uri, field)
+    scheme = tracking_scheme(uri) if "://" in uri else ""
     if scheme not in _STORE_PORTS:
         return
     try:

@@ -266,6 +266,11 @@ def prepare(config: str, overrides: list[str], address: str,
         raise ConfigError("run.tracking_uri carries credentials, which would be shown to "
                           "anyone who can list the cluster's jobs; pass it without them: "
                           + CLUSTER_MLFLOW_FIX)
+    if effective_tracking_uri(cfg, environ):
+        from elastic_ddp.driver.preflight import check_tracking_scheme
+
+        check_tracking_scheme(effective_tracking_uri(cfg, environ),
+                              "run.tracking_uri" if cfg.run.tracking_uri else "MLFLOW_TRACKING_URI")
     root, env_file = _root_and_env_file(config, runtime_env_path)
     notes: list[str] = []
     env = load_runtime_env(env_file, environ, notes)
