@@ -56,6 +56,27 @@ def test_unknown_key_names_dotted_field(tmp_path):
         Config.from_dict(raw)
 
 
+def test_a_misspelt_key_in_the_yaml_file_gets_the_closest_field(tmp_path):
+    """As ``--set`` does: the file's unknown keys, each with the field it is closest to
+    (or the section's fields when none is close), every one in one message."""
+    raw = _cfg(tmp_path, {"scaling": {"max_worker": 3}, "optimiser": {"lr": 0.1},
+                          "train": {"zzzz": 1}})
+    path = _write_yaml(tmp_path / "c.yaml", raw)
+    from elastic_ddp.config.schema import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        Config.load(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{path}: invalid config", lines
+    assert set(lines[1:]) == {
+        "  scaling.max_worker: unknown key; did you mean scaling.max_workers? "
+        "(see elastic_ddp/config/schema.py)",
+        "  optimiser: unknown key; did you mean optim? (see elastic_ddp/config/schema.py)",
+        f"  train.zzzz: unknown key; train has: {', '.join(TrainConfig.model_fields)} "
+        "(see elastic_ddp/config/schema.py)"}, lines
+    assert "epochs, max_steps" in lines[1] + lines[2] + lines[3]
+
+
 def test_min_workers_above_max_names_both(tmp_path):
     raw = _cfg(tmp_path, {"scaling": {"min_workers": 3, "max_workers": 2}})
     with pytest.raises(ConfigError) as e:

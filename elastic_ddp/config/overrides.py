@@ -98,11 +98,8 @@ def field_annotation(model: type[BaseModel], key: str) -> Any:
         if isinstance(inner, type) and issubclass(inner, BaseModel):
             field = inner.model_fields.get(part)
             if field is None:
-                names = list(inner.model_fields)
-                close = difflib.get_close_matches(part, names, n=1)
-                hint = (f"did you mean {'.'.join(parts[:i] + close)}?" if close
-                        else f"{parent or 'the config'} has: {', '.join(names)}")
-                raise ConfigError(f"--set {key}: {here}: unknown key; {hint}")
+                raise ConfigError(f"--set {key}: {here}: unknown key; "
+                                  f"{unknown_key_hint(inner, parts[:i], part)}")
             tp = field.annotation
         elif inner is Any or inner is object:
             tp = Any
@@ -114,6 +111,29 @@ def field_annotation(model: type[BaseModel], key: str) -> Any:
             raise ConfigError(f"--set {key}: {parent} is a value ({_type_name(inner)}), not a "
                               f"section; set it whole: --set {parent}=...")
     return tp
+
+
+def unknown_key_hint(section: type[BaseModel], path: list[str], part: str) -> str:
+    """What to say of ``part``, a key the ``section`` at dotted ``path`` does not have:
+    the closest field (``did you mean scaling.max_workers?``), else the section's fields."""
+    names = list(section.model_fields)
+    close = difflib.get_close_matches(part, names, n=1)
+    if close:
+        return f"did you mean {'.'.join([*path, *close])}?"
+    return f"{'.'.join(path) or 'the config'} has: {', '.join(names)}"
+
+
+def section_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    """The section (a pydantic model) at dotted ``path`` inside ``model``; None where the
+    path does not lead to one."""
+    tp: Any = model
+    for part in path:
+        inner = _strip_optional(_unannotate(tp))
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)) or part not in inner.model_fields:
+            return None
+        tp = inner.model_fields[part].annotation
+    inner = _strip_optional(_unannotate(tp))
+    return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
 
 
 def coerce_text(annotation: Any, text: str) -> Any:

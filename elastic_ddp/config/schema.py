@@ -128,7 +128,7 @@ class Config(Section):
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
-            raise ConfigError(_format_validation_error(e, source)) from None
+            raise ConfigError(_format_validation_error(e, source, cls)) from None
         except ConfigError as e:  # raised by check_batch_config inside a validator
             raise ConfigError(f"{source}: {e}") from None
 
@@ -208,13 +208,19 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _format_validation_error(e: ValidationError, source: str) -> str:
+def _format_validation_error(e: ValidationError, source: str, model: type[BaseModel]) -> str:
+    from elastic_ddp.config.overrides import section_at, unknown_key_hint
+
     lines = [f"{source}: invalid config"]
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        parts = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+        loc = ".".join(parts)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or check the spelling (see elastic_ddp/config/schema.py)"
+            section = section_at(model, parts[:-1]) if parts else None
+            hint = (unknown_key_hint(section, parts[:-1], parts[-1]) if section is not None
+                    else "remove it or check the spelling")
+            msg = f"unknown key; {hint} (see elastic_ddp/config/schema.py)"
         elif err["type"] == "literal_error":
             msg = f"{err.get('input')!r} is not allowed: {msg}"
         # Cross-field errors have no location; their message names the fields itself.
