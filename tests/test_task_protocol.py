@@ -73,6 +73,13 @@ def _cli(capsys, cfg_raw: dict, tmp: Path, *extra) -> tuple[int, str]:
     ("model_kwargs", ["model.kwargs ['depth']", "unexpected keyword argument 'depth'", "width"]),
     ("transform_rows", ["Digits.transform", "returned 1 rows in column 'image' for 2 input rows"]),
     ("import_error", ["importing", "ZeroDivisionError"]),
+    # The file is found; what it imports is not (README: a task file imports no sibling file).
+    ("sibling_import", ["task.path=", "the task file ", "my_task.py was found, but its import of "
+                        "'sibling_util' failed (No module named 'sibling_util'): sibling_util.py "
+                        "lies beside it", "must not import sibling files", "copy what it uses "
+                        "from sibling_util.py into my_task.py", "pip install -e"]),
+    ("missing_dependency", ["my_task.py was found, but its import of 'no_such_dep_zz' failed",
+                            "install no_such_dep_zz"]),
 ])
 def test_task_errors_exit_2_naming_the_field(digits_data, tmp_path, capsys, case, needles):
     body, path_attr, kwargs, model_kwargs = TASK, "Digits", {}, {"width": 8}
@@ -85,6 +92,11 @@ def test_task_errors_exit_2_naming_the_field(digits_data, tmp_path, capsys, case
                             'return {"image": img[:1], "label": batch["y"]}')
     elif case == "import_error":
         body = TASK + "\n1 / 0\n"
+    elif case == "sibling_import":
+        body = "from sibling_util import WIDTH\n" + TASK
+        write_task(tmp_path, "WIDTH = 8\n", "sibling_util.py")
+    elif case == "missing_dependency":
+        body = "import no_such_dep_zz\n" + TASK
     elif case == "task_kwargs":
         kwargs = {"colour": "red"}
     elif case == "model_kwargs":
@@ -104,6 +116,7 @@ def test_task_errors_exit_2_naming_the_field(digits_data, tmp_path, capsys, case
     assert err.startswith("elastic-ddp: task error: ") and len(err.strip().splitlines()) == 1, err
     for needle in needles:
         assert needle in err, (needle, err)
+    assert "not found" not in err or case.startswith("missing_") and case != "missing_dependency", err
 
 
 def test_builtin_model_kwargs_errors_exit_2(digits_data, pycode_data, tmp_path, capsys):

@@ -44,16 +44,19 @@ def resolve_import(spec: str, field: str) -> Any:
     if not sep or not mod_part or not attr:
         raise TaskError(f"{field}={spec!r}: expected 'package.module:Name' or "
                         "'path/to/file.py:Name'")
+    is_file = mod_part.endswith(".py") or "/" in mod_part
     try:
-        if mod_part.endswith(".py") or "/" in mod_part:
+        if is_file:
             module = _load_file(Path(mod_part), field)
         else:
             module = importlib.import_module(mod_part)
     except TaskError:
         raise
     except ModuleNotFoundError as e:
-        raise TaskError(f"{field}={spec!r}: module {mod_part!r} not found ({e}); use a path "
-                        "to the .py file, or put its directory on PYTHONPATH") from None
+        if not is_file and (e.name is None or mod_part == e.name or mod_part.startswith(e.name + ".")):
+            raise TaskError(f"{field}={spec!r}: module {mod_part!r} not found ({e}); use a path "
+                            "to the .py file, or put its directory on PYTHONPATH") from None
+        raise TaskError(_import_inside(field, spec, mod_part, is_file, e)) from None
     except Exception as e:  # noqa: BLE001 - the user's module failed to import
         raise TaskError(f"{field}={spec!r}: importing {mod_part!r} failed: "
                         f"{type(e).__name__}: {e}") from e
@@ -64,6 +67,26 @@ def resolve_import(spec: str, field: str) -> Any:
                         f"(it defines: {', '.join(have)})")
     _ship_by_value(module)
     return obj
+
+
+def _import_inside(field: str, spec: str, mod_part: str, is_file: bool,
+                   e: ModuleNotFoundError) -> str:
+    """The message for a task module that was found but imports a module that is not:
+    a file beside a task file (which is shipped by value, alone: README, "Your own
+    model"), or a package not installed."""
+    missing = e.name or str(e)
+    what = f"the task file {mod_part} was found" if is_file else f"module {mod_part!r} was found"
+    head = f"{field}={spec!r}: {what}, but its import of {missing!r} failed ({e})"
+    top = missing.split(".", 1)[0]
+    where = Path(mod_part).expanduser().resolve().parent if is_file else None
+    sibling = next((p for p in (where / f"{top}.py", where / top) if p.exists()), None) if where else None
+    if sibling is not None:
+        return (f"{head}: {sibling.name} lies beside it, and a task file is shipped to the "
+                "workers by value, alone, so it must not import sibling files; copy what it "
+                f"uses from {sibling.name} into {Path(mod_part).name}, or make {top} an installed "
+                "package (pip install -e) in the driver's and the workers' environment")
+    return (f"{head}; install {top} in the driver's and the workers' environment, or remove "
+            "the import")
 
 
 def _load_file(path: Path, field: str):
