@@ -27,7 +27,7 @@ from elastic_ddp.driver.finish import finish_job as _finish
 from elastic_ddp.driver.lease import RunLease
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                           check_tracking_store, prepare, process_start_time,
-                                          tracking_uri_field, job_spec)
+                                          tracking_uri_field, job_spec, warn_batch_over_rows)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
 from elastic_ddp.driver.stop import (EarlySigterm, JobInterrupted, JobStopped,  # noqa: F401 - JobStopped re-exported
                                      SigtermStop, StoppedBeforeTraining)
@@ -298,6 +298,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         if on_validated is not None:
             on_validated(cfg)
         skipped = report_skipped(train_info, val_info)
+        warn_batch_over_rows(cfg, train_info.num_rows)
         if not early:
             check_ray_address()
         params = tracking.task_params(task, prep.dry_run.n_params)

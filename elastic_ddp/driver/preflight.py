@@ -272,6 +272,26 @@ def process_start_time(pid: Optional[int] = None) -> Optional[float]:
         return None
 
 
+def warn_batch_over_rows(cfg: Config, train_rows: int) -> None:
+    """One warning line when a step's global batch (at ``scaling.max_workers``, where
+    ``scale_lr`` makes it largest) holds more rows than the training split: every epoch
+    is then a single step of all the rows, and nothing said so."""
+    import sys
+
+    from elastic_ddp.batching import run_length
+
+    g = run_length(cfg, train_rows, cfg.scaling.max_workers)[1].global_batch_size
+    if g <= train_rows:
+        return
+    size = f"batch.global_batch_size={cfg.batch.global_batch_size}"
+    if g != cfg.batch.global_batch_size:
+        size += f" ({g} rows a step at {cfg.scaling.max_workers} workers, batch.policy=scale_lr)"
+    print(f"elastic-ddp: warning: {size} is more than the {train_rows} training rows: every "
+          f"epoch is one step of all {train_rows} rows; set batch.global_batch_size to at most "
+          f"{max(1, train_rows * cfg.batch.global_batch_size // g)}, or train on more data",
+          file=sys.stderr, flush=True)
+
+
 def report_skipped(train_info, val_info) -> dict[str, list[str]]:
     """Print once what the scan did not read (hidden entries, non-Parquet files, a
     directory reached twice through symlinks), and return it for the MLflow run."""
