@@ -267,6 +267,7 @@ def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):
                         str(tmp_path / RUN / checkpoint_name(2)), str(out)],
                        capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr
+    assert "torch.distributed is disabled" not in p.stderr and "Warning" not in p.stderr, p.stderr
     sd = torch.load(out, weights_only=True)
     assert set(sd) == set(want.state_dict()), "only the model's entries"
     model = build_model(cfg, task)
@@ -313,6 +314,30 @@ def _single(tmp_path: Path, steps: list[int]):
         mgr.save(k, s, {"progress": {"step": k}}, report=False)
     torch.manual_seed(99)
     return mgr, build_strategy(cfg, build_model(cfg, load_task(cfg)), torch.device("cpu"), 1)
+
+
+def test_a_single_process_save_and_load_warn_of_nothing_and_hide_no_other_warning(tmp_path):
+    """DCP warns on every load and save without a process group, even one asked for
+    (no_dist=True): a save, a restore and an export of one process show no such line;
+    the filter holds only around those calls."""
+    import warnings
+
+    from elastic_ddp.checkpoint.dcp_io import single_process
+    from elastic_ddp.checkpoint.export import model_state
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mgr, fresh = _single(tmp_path, [2])
+        mgr.restore(fresh)
+        model_state(tmp_path / RUN / checkpoint_name(2))
+        with single_process():
+            warnings.warn("another warning", UserWarning)
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming "
+                      "the intent is to load in a single process.", UserWarning)
+    shown = [str(w.message) for w in seen]
+    assert [m for m in shown if "torch.distributed is disabled" in m or m == "another warning"] == [
+        "another warning", "torch.distributed is disabled, unavailable or uninitialized, "
+        "assuming the intent is to load in a single process."], shown
 
 
 def test_unreported_checkpoints_past_the_newest_k_are_removed_and_the_newest_restores(tmp_path):

@@ -3,11 +3,31 @@ entries under one key prefix alone (the model without the optimizer state)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
-from typing import Any
+import warnings
+from typing import Any, Iterator
 
 import torch
+
+# What DCP's load and save warn on every call made without a process group, even when
+# the caller asked for one process (no_dist=True).
+_SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                           r"assuming the intent is to (load|save) in a single process")
+
+
+@contextlib.contextmanager
+def single_process(no_dist: bool = True) -> Iterator[None]:
+    """Around a DCP load or save that is meant to run in one process (``no_dist``): that
+    warning alone is silenced, within the block; any other warning shows. ``no_dist``
+    False: nothing is changed (a collective call without a process group still warns)."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
 
 
 class local_copy:
@@ -45,7 +65,8 @@ def load_prefix(directory: str, prefix: str, no_dist: bool = True) -> dict[str, 
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     if not state:
         return {}
-    dcp_load(state, storage_reader=reader, no_dist=no_dist)
+    with single_process(no_dist):
+        dcp_load(state, storage_reader=reader, no_dist=no_dist)
     return {k[len(prefix):]: v for k, v in state.items()}
 
 

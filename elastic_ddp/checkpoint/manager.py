@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from elastic_ddp.checkpoint.checksum import (
     ALGO, digest_bytes, file_record, share_of, size_mismatches, start_verify)
-from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powersgd_keys
+from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powersgd_keys, single_process
 from elastic_ddp.checkpoint.layout import (
     CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
     checkpoint_name, complete_checkpoints, describe, free_name, incomplete_checkpoints,
@@ -149,7 +149,8 @@ class CheckpointManager:
 
         target = dest if local else tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
         try:
-            dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
+            with single_process(not self.collective):
+                dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
             records = self.records(fs, target, dest, lead, local, fault_hook)
         finally:
             if not local:
@@ -342,7 +343,8 @@ class CheckpointManager:
                      if self.collective and self.world_size > 1 else ())
             mine = replicated_share(state, parts, self.rank, self.world_size)
             try:
-                dcp_load(mine, storage_reader=FileSystemReader(d), no_dist=not self.collective)
+                with single_process(not self.collective):
+                    dcp_load(mine, storage_reader=FileSystemReader(d), no_dist=not self.collective)
                 for part in parts:  # DCP sets non-tensor values in the dicts it was given
                     state[part].update(mine[part])
             # DCP wraps every rank's error in a CheckpointException (a BaseException).
