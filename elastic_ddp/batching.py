@@ -239,7 +239,7 @@ def check_batch_config(
             raise BatchConfigError(
                 f"{what}={unit} does not divide over world "
                 f"size(s) {bad} allowed by scaling.min_workers..max_workers="
-                f"{min_workers}..{max_workers}; use a multiple of {lcm} (e.g. {suggestion}), "
+                f"{min_workers}..{max_workers}; set {what} to a multiple of {lcm} (e.g. {suggestion}), "
                 f"narrow the worker range, or set batch.policy=uneven"
             )
 

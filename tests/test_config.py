@@ -114,7 +114,7 @@ def test_fixed_global_indivisible_batch_suggests_multiple(tmp_path):
     msg = str(e.value)
     assert "batch.global_batch_size" in msg
     assert "[3, 5, 6]" in msg
-    assert "multiple of 60" in msg and "120" in msg
+    assert "set batch.global_batch_size to a multiple of 60 (e.g. 120)" in msg, msg
     assert "batch.policy=uneven" in msg
     # The suggestion really is valid, and so is the same batch under policy uneven.
     Config.from_dict(_cfg(tmp_path, {**perm, "batch": {"global_batch_size": 120}}))
@@ -130,7 +130,8 @@ def test_fixed_global_windowed_needs_world_sizes_dividing_partitions(tmp_path):
     with pytest.raises(ConfigError) as e:
         Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 8}}))
     msg = str(e.value)
-    assert "data.partitions=8" in msg and "[3, 5, 6]" in msg and "multiple of 60" in msg
+    assert "data.partitions=8" in msg and "[3, 5, 6]" in msg, msg
+    assert "set data.partitions to a multiple of 60 (e.g. 60)" in msg, msg
     Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 8}, "batch": {"policy": "uneven"}}))
     with pytest.raises(ConfigError, match=r"scaling\.max_workers=6 exceeds data\.partitions=4"):
         Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 4},
@@ -418,6 +419,39 @@ def test_a_missing_column_is_not_told_the_hint_about_its_values(tmp_path):
     with pytest.raises(DataError, match="missing column 'nolabel'") as e:
         scan_parquet(tmp_path / "train", task.input_columns(), "sample_id")
     assert "labels must be" not in str(e.value) and "'y'" in str(e.value), str(e.value)
+
+
+def test_a_missing_id_column_names_data_id_column_as_the_fix(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elastic_ddp.data.scan import DataError, scan_parquet
+    from elastic_ddp.tasks.vision import CNNClassifier
+
+    pq.write_table(pa.table({"sample_id": [0, 1], "x": [[0.0] * 64] * 2, "y": [0, 1]}),
+                   tmp_path / "part-0.parquet")
+    task = CNNClassifier(feature_column="x", label_column="y")
+    with pytest.raises(DataError) as e:
+        scan_parquet(tmp_path, task.input_columns(), "id")
+    assert str(e.value).endswith("missing column 'id'; the file has columns: 'sample_id', 'x', "
+                                 "'y'. Set data.id_column to the column that holds each row's "
+                                 "unique id, or write one (int64) named 'id'"), str(e.value)
+    with pytest.raises(DataError, match=r"Point the task at existing columns \(Task.columns\)"):
+        scan_parquet(tmp_path, CNNClassifier(feature_column="x", label_column="z").input_columns())
+
+
+@pytest.mark.parametrize("missing", ["train", "val"])
+def test_a_missing_data_path_names_its_field(tmp_path, capsys, missing):
+    data = tmp_path / "data"
+    other = "val" if missing == "train" else "train"
+    _digits_like(data / other / "part-0.parquet", range(20))
+    path = _write_yaml(tmp_path / "c.yaml", _cfg(tmp_path))
+    rc, _, err = _run_cli(capsys, "train", str(path), "--no-progress")
+    assert rc == 2, err
+    assert err.strip() == (f"elastic-ddp: data error: {data / missing}: path does not exist; check "
+                           f"data.{missing}_path, or create the data set first (e.g. `elastic-ddp "
+                           "prepare digits data/digits`)"), err
+    assert mlflow_runs(tmp_path) == []
 
 
 def test_with_run_name_validates_the_new_name_and_leaves_the_config_as_it_was(tmp_path):

@@ -76,3 +76,28 @@ def test_ray_logs_flag_brings_rays_lines_back():
     p = _run({"ELASTIC_DDP_RAY_LOGS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Started a local Ray instance" in p.stdout + p.stderr
+
+
+@pytest.mark.ray
+def test_a_jobs_console_counts_its_files_and_shows_no_torch_warning(tmp_path):
+    """A whole ``elastic-ddp train`` as a user runs it, on a one-file data set: the run's
+    line says "1 file", and the driver's single-process checkpoint read (the final
+    model) prints no torch warning before the summary."""
+    import yaml
+
+    from helpers import small_config, write_rows
+
+    data = tmp_path / "data"
+    write_rows(data / "train" / "part-0.parquet", range(32))
+    write_rows(data / "val" / "part-0.parquet", range(100, 104))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(small_config(data, tmp_path, {
+        "scaling": {"min_workers": 1, "max_workers": 1}})))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ELASTIC_DDP_RAY_LOGS")}
+    p = subprocess.run([sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "32 train rows in 1 file; 2 steps" in p.stdout, p.stdout
+    assert "MLflow run:" in p.stdout, p.stdout  # the summary
+    assert "torch.distributed is disabled" not in p.stdout + p.stderr, p.stderr
+    assert "UserWarning" not in p.stdout + p.stderr, p.stderr

@@ -61,3 +61,18 @@ def test_a_label_stored_as_float_in_one_file_is_refused_naming_both_files(tmp_pa
         scan_parquet(tmp_path, task_columns(), "sample_id")
     msg = str(e.value)
     assert "a.parquet" in msg and "b.parquet" in msg and "'y'" in msg and "double" in msg
+
+
+def test_a_list_of_strings_where_floats_are_declared_is_named_in_plain_words(tmp_path):
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"sample_id": pa.array([0, 1], pa.int64()),
+                             "x": pa.array([["a"] * 64] * 2, pa.list_(pa.string())),
+                             "y": pa.array([0, 1], pa.int64())}), tmp_path / "a.parquet")
+    from elastic_ddp import Column
+
+    for kind, words in (("float", "floating-point numbers"), ("int", "integers"), ("number", "numbers")):
+        with pytest.raises(DataError) as e:
+            scan_parquet(tmp_path, {"x": Column.list_of(kind, length=64)}, "sample_id")
+        assert str(e.value).endswith(f"column 'x' is a list of string, not of {words}; rewrite "
+                                     "the column"), str(e.value)

@@ -25,6 +25,8 @@ _KIND_TEST = {
 }
 _KIND_WORDS = {"int": "an integer", "float": "a floating-point number", "number": "a number",
                "binary": "binary (bytes)", "string": "a string", "list": "a list"}
+_KIND_PLURAL = {"int": "integers", "float": "floating-point numbers", "number": "numbers",
+                "binary": "binary values (bytes)", "string": "strings", "list": "lists"}
 
 
 def type_key(t: pa.DataType) -> tuple:
@@ -99,7 +101,7 @@ def check_column(pf: pq.ParquetFile, f: Path, name: str, spec: Column, error) ->
                     f"column or point the task at another one{fix}")
     if spec.kind == "list" and spec.inner and not _KIND_TEST[spec.inner](t.value_type):
         raise error(f"{f}: column {name!r} is a list of {t.value_type}, not of "
-                    f"{_KIND_WORDS[spec.inner]} values; rewrite the column{fix}")
+                    f"{_KIND_PLURAL[spec.inner]}; rewrite the column{fix}")
     md = pf.metadata
     leaves = [i for i in range(md.num_columns)
               if md.schema.column(i).path == name or md.schema.column(i).path.startswith(name + ".")]

@@ -75,9 +75,14 @@ class DatasetInfo:
     skipped: list[str] = field(default_factory=list)
 
 
+#: What names a data set's path when the caller does not say which split it is.
+DATA_PATH_FIELDS = "data.train_path / data.val_path"
+
+
 def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
-                 id_column: str = "sample_id") -> DatasetInfo:
-    """Validate a Parquet data set against the task's declared ``columns``.
+                 id_column: str = "sample_id", field: str = DATA_PATH_FIELDS) -> DatasetInfo:
+    """Validate a Parquet data set against the task's declared ``columns``. ``field``:
+    the config field that names ``path`` (``data.train_path``), for the messages.
 
     ``path`` is one Parquet file or a directory: every ``*.parquet`` file under it,
     recursively (symlinked directories followed once each), in sorted relative-path
@@ -91,7 +96,7 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
             declared range, list lengths that do not fit, a non-integer or duplicated id.
     """
     root = Path(path)
-    files, skipped = list_files(root)
+    files, skipped = list_files(root, field)
     wanted = {id_column: Column.integer(hint="store one unique int64 id per row, or set "
                                              "data.id_column"), **dict(columns)}
     fields: dict[str, tuple[pa.Field, Path]] = {}
@@ -108,8 +113,11 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                 have = ", ".join(repr(n) for n in schema.names) or "none"
                 # Not the column's hint: that is about its values (a label range, a
                 # list length), which a missing column has none of.
+                fix = (f"set data.id_column to the column that holds each row's unique id, or "
+                       f"write one (int64) named {name!r}" if name == id_column else
+                       "point the task at existing columns (Task.columns) or rewrite the file")
                 raise DataError(f"{f}: missing column {name!r}; the file has columns: {have}. "
-                                f"Point the task at existing columns or rewrite the file")
+                                f"{fix[0].upper()}{fix[1:]}")
             fld = schema.field(idx)
             if name in fields:
                 try:
@@ -153,7 +161,7 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
         fingerprint=digest.hexdigest(), skipped=skipped)
 
 
-def list_files(root: Path) -> tuple[list[Path], list[str]]:
+def list_files(root: Path, field: str = DATA_PATH_FIELDS) -> tuple[list[Path], list[str]]:
     """``*.parquet`` files under ``root`` (sorted by relative path) and what was skipped.
     Symlinked directories are followed; a directory reached twice (a link loop, or two
     links to one place) is read once and reported.
@@ -162,7 +170,7 @@ def list_files(root: Path) -> tuple[list[Path], list[str]]:
         DataError: ``root`` does not exist or holds no Parquet file.
     """
     if not root.exists():
-        raise DataError(f"{root}: path does not exist; check data.train_path / data.val_path, "
+        raise DataError(f"{root}: path does not exist; check {field}, "
                         "or create the data set first (e.g. `elastic-ddp prepare digits data/digits`)")
     if root.is_file():
         return [Path(os.path.abspath(root))], []
@@ -192,8 +200,8 @@ def list_files(root: Path) -> tuple[list[Path], list[str]]:
                 found.append(rel)
     if not found:
         raise DataError(f"{root}: directory has no Parquet files (*.parquet, searched recursively"
-                        f"{'; skipped: ' + ', '.join(skipped[:5]) if skipped else ''}); point the "
-                        "config at the directory that holds them or prepare the data first")
+                        f"{'; skipped: ' + ', '.join(skipped[:5]) if skipped else ''}); point "
+                        f"{field} at the directory that holds them or prepare the data first")
     return [base / rel for rel in sorted(found)], skipped
 
 

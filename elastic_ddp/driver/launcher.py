@@ -351,7 +351,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         total = run_length(cfg, train_info.num_rows, cfg.scaling.max_workers)[1].total_steps
         print(f"elastic-ddp: run {cfg.run.name!r} -> MLflow run {run_id} "
               f"({'resumed' if resumed else 'new'}); {train_info.num_rows} train rows in "
-              f"{len(train_info.files)} files; {total} steps", flush=True)
+              f"{len(train_info.files)} file{'s' * (len(train_info.files) != 1)}; {total} steps", flush=True)
         job = job_spec(cfg, prep, tracker, t0, storage, diagnostics)
         trainer = build_trainer(cfg, job, tracker)
         if host is not None:

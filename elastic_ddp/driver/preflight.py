@@ -209,8 +209,8 @@ def prepare(cfg: Config, task=None) -> Prepared:
     check_picklable(cfg, task, model_factory(cfg, task))
     cols = task.input_columns()
     d = cfg.data
-    train_info = scan_parquet(d.train_path, cols, d.id_column)
-    val_info = scan_parquet(d.val_path, cols, d.id_column) if d.val_path else None
+    train_info = scan_parquet(d.train_path, cols, d.id_column, field="data.train_path")
+    val_info = scan_parquet(d.val_path, cols, d.id_column, field="data.val_path") if d.val_path else None
     try:
         epoch_order(train_info, cfg, 0)
     except ValueError as e:
