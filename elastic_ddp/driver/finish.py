@@ -1,5 +1,6 @@
 """The end of a job on the driver: the final model, goodput, recovery and start-up
-tables into the job's MLflow run, and the summary the CLI prints."""
+tables into the job's MLflow run, and the summary the CLI prints; or, for a job that
+failed or was stopped, its run closed as FAILED or KILLED."""
 
 from __future__ import annotations
 
@@ -195,3 +196,47 @@ def _forward_example(model, task, sample) -> Optional[tuple]:
     if len(args) == 1 and torch.is_tensor(args[0]) and torch.is_tensor(out):
         return args[0], out
     return None
+
+
+def after_failed_fit(tracker) -> None:
+    """A controller that died (rather than failed) leaves its placement group reserved
+    (where Ray Train's own placement-group cleaner is kept, that removes it)."""
+    import ray
+
+    from elastic_ddp.compat.ray_trainer import (driver_removes_placement_groups,
+                                                remove_leftover_placement_groups)
+    from elastic_ddp.compat.versions import ray_plan
+
+    if not driver_removes_placement_groups(ray_plan()):
+        return
+    try:
+        timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
+        removed = remove_leftover_placement_groups(timeline)
+    except Exception:  # noqa: BLE001 - the job's own error is the one to raise
+        return
+    if removed:
+        print(f"elastic-ddp: removed {len(removed)} placement group(s) the stopped Ray Train "
+              "controller left reserved", flush=True)
+
+
+def close_failed(uri: str, run_id: str, tracker, msg: str, status: str, opener=None) -> None:
+    """Close the job's run as ``status`` (FAILED, KILLED) with ``msg`` as its error, after
+    the MLflow helper (``opener``) and the tracker's buffered metrics; a store that does
+    not answer leaves a warning, never an error in place of the job's own."""
+    import ray
+
+    if opener is not None:
+        opener.finish()
+
+    if tracker is not None:
+        try:
+            ray.get(tracker.flush.remote(30), timeout=40)
+        except Exception:  # noqa: BLE001 - closing the run matters more than the last metrics
+            pass
+    try:
+        tracking.finish_run(uri, run_id, ok=False, error=msg, status=status)
+    except Exception as e:  # noqa: BLE001 - the job's own error is the one to raise
+        import sys
+
+        print(f"elastic-ddp: warning: could not mark MLflow run {run_id} {status} "
+              f"({type(e).__name__}: {e}); it may still read RUNNING", file=sys.stderr, flush=True)

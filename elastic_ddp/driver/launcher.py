@@ -23,7 +23,7 @@ from elastic_ddp import tracking
 from elastic_ddp.background import Background
 from elastic_ddp.compat.versions import preemption_notice_line, preemption_supported, ray_plan, warn_skipped
 from elastic_ddp.config import Config
-from elastic_ddp.driver.finish import finish_job as _finish
+from elastic_ddp.driver.finish import after_failed_fit, close_failed, finish_job as _finish
 from elastic_ddp.driver.lease import RunLease
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                           check_tracking_store, prepare, process_start_time,
@@ -336,7 +336,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
                 opener.cancel()
                 raise e from None
             killed = not isinstance(e, Exception)  # Ctrl-C, SIGTERM (JobStopped)
-            _close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
+            close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
                           "KILLED" if killed else "FAILED", opener)
             _raise_interrupted(e, run_id, cfg)
             raise
@@ -366,7 +366,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             with ProgressDisplay(tracker, total, show=progress), stop:
                 result = trainer.fit()
         except BaseException:
-            _after_failed_fit(tracker)
+            after_failed_fit(tracker)
             raise
         opener.finish()  # the system metrics end with the training
         return _finish(cfg, uri, run_id, tracker, result, t0, diagnostics.ledger_dir, marks, task,
@@ -375,17 +375,17 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         from elastic_ddp.controller.failures import describe_training_error
 
         if stop is not None and stop.stopped(e):
-            _close_failed(uri, run_id, tracker, "stopped on SIGTERM at a checkpoint", "KILLED", opener)
+            close_failed(uri, run_id, tracker, "stopped on SIGTERM at a checkpoint", "KILLED", opener)
             raise JobStopped(f"stopped on SIGTERM at a checkpoint (MLflow run {run_id} KILLED); "
                              "run the same command to resume") from None
 
         msg = describe_training_error(e)
-        _close_failed(uri, run_id, tracker, msg, "FAILED", opener)
+        close_failed(uri, run_id, tracker, msg, "FAILED", opener)
         raise TrainingError(f"training failed (MLflow run {run_id} marked FAILED): {msg}") from e
     except BaseException as e:
         # Ctrl-C, SIGTERM before fit or SystemExit: the run must not stay RUNNING in the
         # store; checkpoints are kept, so resubmitting the same run.name resumes it.
-        _close_failed(uri, run_id, tracker, str(e) if isinstance(e, StoppedBeforeTraining)
+        close_failed(uri, run_id, tracker, str(e) if isinstance(e, StoppedBeforeTraining)
                       else "interrupted", "KILLED", opener)
         _raise_interrupted(e, run_id, cfg)
         raise
@@ -400,44 +400,3 @@ def _raise_interrupted(e: BaseException, run_id: str, cfg: Config) -> None:
     names the run and how to resume (the CLI prints it)."""
     if isinstance(e, KeyboardInterrupt) and not isinstance(e, JobInterrupted):
         raise JobInterrupted.of_run(run_id, cfg.run.resume) from None
-
-
-def _after_failed_fit(tracker) -> None:
-    """A controller that died (rather than failed) leaves its placement group reserved
-    (where Ray Train's own placement-group cleaner is kept, that removes it)."""
-    import ray
-
-    from elastic_ddp.compat.ray_trainer import (driver_removes_placement_groups,
-                                                remove_leftover_placement_groups)
-
-    if not driver_removes_placement_groups(ray_plan()):
-        return
-    try:
-        timeline = ray.get(tracker.snapshot.remote(), timeout=10)["timeline"]
-        removed = remove_leftover_placement_groups(timeline)
-    except Exception:  # noqa: BLE001 - the job's own error is the one to raise
-        return
-    if removed:
-        print(f"elastic-ddp: removed {len(removed)} placement group(s) the stopped Ray Train "
-              "controller left reserved", flush=True)
-
-
-def _close_failed(uri: str, run_id: str, tracker, msg: str, status: str,
-                  opener: Optional[RunOpener] = None) -> None:
-    import ray
-
-    if opener is not None:
-        opener.finish()
-
-    if tracker is not None:
-        try:
-            ray.get(tracker.flush.remote(30), timeout=40)
-        except Exception:  # noqa: BLE001 - closing the run matters more than the last metrics
-            pass
-    try:
-        tracking.finish_run(uri, run_id, ok=False, error=msg, status=status)
-    except Exception as e:  # noqa: BLE001 - the job's own error is the one to raise
-        import sys
-
-        print(f"elastic-ddp: warning: could not mark MLflow run {run_id} {status} "
-              f"({type(e).__name__}: {e}); it may still read RUNNING", file=sys.stderr, flush=True)
