@@ -74,3 +74,36 @@ def test_a_signal_in_the_users_code_before_the_start_is_the_signal_not_a_task_er
     assert "task error" not in err and "Traceback" not in err, err
     assert out == ""  # not even the config print: the checks had not passed
     assert mlflow_runs(tmp_path) == [] and not (tmp_path / "ray_results").exists()
+
+
+@pytest.mark.ray  # the sweep starts its local Ray before its first child
+def test_sigterm_in_a_sweeps_child_before_its_start_closes_the_parent_run_killed(tmp_path):
+    """A sweep's parent MLflow run is open while a child job starts: SIGTERM in the
+    child's task import ends the command with 143 and leaves no run RUNNING."""
+    import yaml
+
+    marker = tmp_path / "running"
+    task_file = write_task(tmp_path, WAIT.format(marker=str(marker)) + "\n" + TASK)
+    data = tmp_path / "data"
+    write_rows(data / "train" / "part-0.parquet", range(32))
+    raw = user_config(data, tmp_path, task_file, {"data": {"val_path": None}})
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
+    p = subprocess.Popen(_cli_cmd() + ["sweep", str(cfg), "--world-sizes", "1"], cwd=tmp_path,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), p.communicate(timeout=60) if p.poll() is not None else "no start"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 143, (p.returncode, err[-3000:])
+    assert "stopped on SIGTERM before training started" in err and "Traceback" not in err, err
+    runs = mlflow_runs(tmp_path)
+    assert runs and [r.info.status for r in runs] == ["KILLED"] * len(runs), \
+        [(r.info.run_name, r.info.status) for r in runs]

@@ -262,7 +262,11 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
         DataError: the Parquet data fails the scan (nothing is left running, no run).
         TrainingError: training failed beyond its restart budget or deterministically;
             the MLflow run is closed as FAILED.
-        JobStopped: SIGTERM stopped the job at a committed checkpoint (run KILLED).
+        JobStopped: SIGTERM stopped the job at a committed checkpoint (run KILLED), or
+            before training started (``StoppedBeforeTraining``). A ``BaseException``, as
+            ``KeyboardInterrupt`` is.
+        KeyboardInterrupt: Ctrl-C; ``JobInterrupted``, naming the run, once the run exists
+            (run KILLED, checkpoints kept).
     """
     # First, before torch: the MLflow helper imports MLflow on another core while this
     # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).

@@ -281,8 +281,9 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
             summary = train(children_cfg[ws], progress=progress, parent_run_id=parent_id)
             children.append((ws, summary.run_id, steady_metrics(uri, summary.run_id)))
             finals[ws] = dict(summary.metrics)
-    except Exception as e:
-        tracking.finish_run(uri, parent_id, ok=False, error=f"{type(e).__name__}: {e}")
+    except BaseException as e:  # a child's failure, Ctrl-C, SIGTERM (driver.stop.JobStopped)
+        tracking.finish_run(uri, parent_id, ok=False, error=f"{type(e).__name__}: {e}",
+                            status="FAILED" if isinstance(e, Exception) else "KILLED")
         raise
     finally:
         if started_ray:
