@@ -170,7 +170,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         # The launcher has already closed the MLflow run as KILLED; checkpoints stay.
         from elastic_ddp.driver.stop import INTERRUPTED_BEFORE_RUN, JobInterrupted
 
-        msg = (str(e) if isinstance(e, JobInterrupted) else
+        msg = (f"interrupted{_SWEEP_STOPPED}" if args.cmd == "sweep" else
+               str(e) if isinstance(e, JobInterrupted) else
                INTERRUPTED_BEFORE_RUN if args.cmd == "train" else "interrupted")
         print(f"elastic-ddp: {msg}", file=sys.stderr)
         return 130
@@ -178,7 +179,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from elastic_ddp.driver.stop import EXIT_STOPPED, JobStopped
 
         if isinstance(e, JobStopped):  # SIGTERM: a BaseException, as Ctrl-C's is
-            print(f"elastic-ddp: {e}", file=sys.stderr)
+            msg = f"stopped on SIGTERM{_SWEEP_STOPPED}" if args.cmd == "sweep" else str(e)
+            print(f"elastic-ddp: {msg}", file=sys.stderr)
             return EXIT_STOPPED
         if not isinstance(e, Exception):
             raise
@@ -188,6 +190,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)
             return 2
         raise
+
+
+# A sweep's child runs are never resumed (each sweep names its own): what a stop left.
+_SWEEP_STOPPED = (": every MLflow run of the sweep opened by then is closed KILLED; the same "
+                  "command starts a new sweep")
 
 
 def _route_library_logs(ray_logs: bool) -> None:
