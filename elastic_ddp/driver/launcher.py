@@ -341,7 +341,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
                 raise e from None
             killed = not isinstance(e, Exception)  # Ctrl-C, SIGTERM (JobStopped)
             close_failed(uri, run_id, None, f"{type(e).__name__}: {e}",
-                          "KILLED" if killed else "FAILED", opener)
+                         "KILLED" if killed else "FAILED", opener)
             _raise_interrupted(e, run_id, cfg)
             raise
         finally:
@@ -390,7 +390,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         # Ctrl-C, SIGTERM before fit or SystemExit: the run must not stay RUNNING in the
         # store; checkpoints are kept, so resubmitting the same run.name resumes it.
         close_failed(uri, run_id, tracker, str(e) if isinstance(e, StoppedBeforeTraining)
-                      else "interrupted", "KILLED", opener)
+                     else "interrupted", "KILLED", opener)
         _raise_interrupted(e, run_id, cfg)
         raise
     finally:
