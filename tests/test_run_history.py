@@ -78,3 +78,13 @@ def test_a_resumed_run_appends_to_its_events_and_drops_the_stale_error(digits_da
     run = tracking.run_info(uri, second["run_id"])
     assert run.info.status == "FINISHED" and "elastic_ddp.error" not in run.data.tags
     assert json.loads(json.dumps(records["events"]))  # plain JSON
+
+
+def test_reading_the_records_draws_no_progress_bar(digits_data, tmp_path, mlflow_store, capfd):
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    opened = _open(cfg, mlflow_store, str(tmp_path / "ray"))
+    _submission(mlflow_store, opened, 10)
+    capfd.readouterr()
+    assert len(read_records(mlflow_store, opened["run_id"])["events"]) == 1
+    out, err = capfd.readouterr()
+    assert "Downloading artifacts" not in out + err, err

@@ -24,6 +24,7 @@ EVENTS = "events/events.json"
 ATTEMPTS = "events/attempts.json"
 TIMELINE = "events/timeline.json"
 ERROR_TAG = "elastic_ddp.error"
+_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 #: The artifact of each list the tracker keeps.
 FILES = {"events": EVENTS, "attempts": ATTEMPTS, "timeline": TIMELINE}
 
@@ -31,16 +32,27 @@ FILES = {"events": EVENTS, "attempts": ATTEMPTS, "timeline": TIMELINE}
 def read_records(uri: str, run_id: str) -> dict[str, list]:
     """The run's ``events``, ``attempts`` and ``timeline`` lists as its artifacts hold
     them ([] for one it does not have or cannot be read as a JSON list)."""
+    import os
+
     out: dict[str, list] = {}
     c = client(uri)
-    with tempfile.TemporaryDirectory(prefix="elastic-ddp-history-") as d:
-        for key, path in FILES.items():
-            try:
-                local = c.download_artifacts(run_id, path, d)
-                value = json.loads(Path(local).read_text())
-            except Exception:  # noqa: BLE001 - absent (a run that never got that far) or unreadable
-                value = []
-            out[key] = value if isinstance(value, list) else []
+    # MLflow draws a progress bar per download on stderr (the driver's console).
+    bar = os.environ.get(_BAR)
+    os.environ[_BAR] = "false"
+    try:
+        with tempfile.TemporaryDirectory(prefix="elastic-ddp-history-") as d:
+            for key, path in FILES.items():
+                try:
+                    local = c.download_artifacts(run_id, path, d)
+                    value = json.loads(Path(local).read_text())
+                except Exception:  # noqa: BLE001 - absent (a run that never got that far) or unreadable
+                    value = []
+                out[key] = value if isinstance(value, list) else []
+    finally:
+        if bar is None:
+            os.environ.pop(_BAR, None)
+        else:
+            os.environ[_BAR] = bar
     return out
 
 
