@@ -244,9 +244,13 @@ class CheckpointManager:
         checkpoint past the newest ``keep``."""
         fs, _ = run_dir(self.storage, self.run_name)
         removed = []
-        # Rejected ones too: nothing else removes an unreported one.
-        for _, path in complete_checkpoints(self.storage, self.run_name, sizes=False,
-                                            rejected=True)[keep:]:
+        good = complete_checkpoints(self.storage, self.run_name)
+        # A rejected one goes once `keep` good ones are newer (nothing else removes it).
+        oldest_kept = good[keep - 1][0] if keep and len(good) >= keep else None
+        rejected = [] if oldest_kept is None else [
+            (k, p) for k, p in complete_checkpoints(self.storage, self.run_name, sizes=False, rejected=True)
+            if k < oldest_kept and p in rejected_paths(fs, [p])]
+        for _, path in good[keep:] + rejected:
             try:
                 if read_manifest(fs, path).get("reported", True) is False:
                     fs.delete_dir(path)
