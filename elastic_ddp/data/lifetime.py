@@ -80,8 +80,11 @@ def wait_for_exit(pid: int) -> None:
 
 
 def _end_when_gone(pid: int) -> None:
+    import signal
+
     wait_for_exit(pid)
-    os._exit(0)  # the trainer is gone: nothing waits for this worker's output
+    # The trainer is gone: nothing waits for this worker's output or its clean-up.
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def watch_trainer(trainer_pid: int, worker_id: int = 0) -> None:

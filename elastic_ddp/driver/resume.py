@@ -292,5 +292,6 @@ def check_resume(cfg: Config, found: dict, storage: str, fingerprint: str,
                            "changes": {k: [a, b] for k, (a, b) in allowed.items()}, "cause": text})
         before = (found.get("tags") or {}).get(CONFIG_CHANGES_TAG, "")
         line = f"at step {out.step}: {_changes_text(allowed)}"
-        out.tags[CONFIG_CHANGES_TAG] = f"{before}\n{line}" if before else line
+        # One line per resume; the newest kept where a tag's length would be exceeded.
+        out.tags[CONFIG_CHANGES_TAG] = (f"{before}\n{line}" if before else line)[-4000:]
     return out
