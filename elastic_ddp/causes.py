@@ -85,3 +85,13 @@ def first_line(text: str) -> str:
     """The first non-blank line of ``text`` ("" for none)."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[0] if lines else ""
+
+
+def clip(text: str, limit: int = 400, tail: int = 200) -> str:
+    """``text`` at most about ``limit`` characters: its start and its last ``tail``
+    characters around `` [... N characters ...] ``. An error's fix is its last sentence,
+    so the end is kept, never cut off."""
+    if len(text) <= limit:
+        return text
+    head = max(0, limit - tail)
+    return f"{text[:head]} [... {len(text) - head - tail} characters ...] {text[-tail:]}"

@@ -27,6 +27,20 @@ class DataChangedError(CheckpointError):
     """The checkpoint was written on other data than the job now reads."""
 
 
+#: What each key of :func:`data_identity` comes from, for messages.
+DATA_FIELDS = {"fingerprint": "the training data's rows (data.train_path)", "order": "data.order",
+               "partitions": "data.partitions", "window": "data.shuffle_window_rows",
+               "block_rows": "data.block_rows", "seed": "seed"}
+
+
+def data_identity(cfg: "Config", fingerprint: str) -> dict[str, Any]:
+    """What a checkpoint's cursor is a position in (its run state's ``data``): the
+    training set's fingerprint and every setting of the epoch order."""
+    return {"fingerprint": fingerprint, "order": cfg.data.order, "partitions": cfg.partitions,
+            "window": cfg.data.shuffle_window_rows, "block_rows": cfg.data.block_rows,
+            "seed": cfg.seed}
+
+
 @dataclass
 class Progress:
     """Where the run is: optimizer steps done, the epoch, the global position in it

@@ -500,3 +500,35 @@ def test_the_kept_stager_still_stages_after_a_close():
     assert torch.equal(second["w"], torch.arange(6.0).reshape(2, 3) + 1.0)
     assert second["meta"] == {"cls": int, "lr": [1e-3, 2], "name": "x"}
     assert first["w"].data_ptr() == second["w"].data_ptr(), "the staging buffer was not reused"
+
+
+def test_a_checkpoint_a_restore_rejects_is_a_console_notice_and_never_tried_again(tmp_path, capfd):
+    """Rejected in the workers' restore (one the driver did not hash: over 1 GiB, on an
+    object store, or damaged after the driver's check): the tracker gets the event with
+    its warning, which the driver's progress display prints as it arrives (a notice), and
+    the checkpoint is marked rejected: the next restore neither tries it nor warns again."""
+    from conftest import InProcess
+    from elastic_ddp.checkpoint.layout import REJECTED, complete_checkpoints, incomplete_checkpoints
+    from elastic_ddp.tracking import JobTracker, TrackerClient
+
+    mgr, fresh = _single(tmp_path, [2, 4])
+    tracker = JobTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")  # unbound: nothing written
+    mgr.tracker = TrackerClient(InProcess(tracker))
+    bad = tmp_path / RUN / checkpoint_name(4)
+    (bad / "__0_0.distcp").write_bytes(b"\0" * (bad / "__0_0.distcp").stat().st_size)
+    assert mgr.restore(fresh)[1].endswith(checkpoint_name(2))
+    (note,) = tracker.get_notices()
+    assert note["kind"] == "checkpoint_rejected"
+    assert note["message"].startswith(f"checkpoint {bad} fails its checksums: __0_0.distcp (xxh3_64 ")
+    assert note["message"].endswith("; trying the previous checkpoint")
+    assert json.loads((bad / REJECTED).read_text())["bad_files"][0].startswith("__0_0.distcp")
+    capfd.readouterr()
+    assert mgr.restore(fresh)[1].endswith(checkpoint_name(2))
+    assert "fails its checksums" not in capfd.readouterr().err and len(tracker.get_notices()) == 1
+    # Kept (evidence), out of every listing a restore or the final model reads.
+    assert [p for _, p in complete_checkpoints(str(tmp_path), RUN)] == [str(tmp_path / RUN / checkpoint_name(2))]
+    assert incomplete_checkpoints(str(tmp_path), RUN, 2) == [] and bad.is_dir()
+    # Pruned once as many good checkpoints as are kept are newer (never a good one for it).
+    assert mgr.prune_unreported(1) == []
+    mgr.save(6, fresh, {"progress": {"step": 6}}, report=False)
+    assert mgr.prune_unreported(1) == [str(tmp_path / RUN / checkpoint_name(2)), str(bad)]

@@ -1,7 +1,9 @@
 """A damaged checkpoint met as a user meets it, through the CLI on a real local Ray
 cluster: a zeroed file (same size) and a truncated file in the two newest checkpoints ->
-the rerun resumes from the one before, and its summary names each bad file and
-checkpoint; with no checkpoint left that verifies, the rerun exits 2 naming them.
+the rerun says so on the console as it finds them (once each), resumes from the one
+before, and its summary names each bad file and checkpoint; the damaged ones are kept,
+marked rejected. With no checkpoint left that verifies, the rerun exits 2 before Ray
+starts, naming them and the fix, and leaves the MLflow run as it was.
 
 The three CLI jobs are separate driver processes that join one local Ray cluster (the
 module's head, ``RAY_ADDRESS``), as jobs on a running cluster do; a CLI job that starts
@@ -90,6 +92,11 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(cluster, dig
     out = second.stdout
     assert f"checkpoint rejected: {ckpts[-1]}: __1_0.distcp (xxh3_64" in out, out[-3000:]
     assert f"checkpoint rejected: {ckpts[-2]}: __0_0.distcp (" in out, out[-3000:]
+    # Said as it was found (the driver's check, before Ray), once each; kept, marked.
+    for c, f in ((ckpts[-1], "__1_0.distcp (xxh3_64"), (ckpts[-2], "__0_0.distcp (")):
+        warning = f"elastic-ddp: warning: checkpoint {c} fails its checksums: {f}"
+        assert second.stderr.count(warning) == 1, second.stderr[-3000:]
+        assert (c / "rejected.json").is_file()
     # Resumed from step 15: steps 16..23 were trained (and logged) twice, 1..15 once.
     (run,) = mlflow_runs(tmp_path)
     hist = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
@@ -104,5 +111,10 @@ def test_damaged_checkpoints_are_named_and_the_previous_one_resumed(cluster, dig
         (c / "__0_0.distcp").write_bytes(b"\0" * (c / "__0_0.distcp").stat().st_size)
     third = _cli(digits_config(digits_data, tmp_path, extra), tmp_path, cluster.address)
     assert third.returncode == 2, (third.returncode, third.stderr[-3000:])
-    assert "CheckpointCorruptError" in third.stderr and "__0_0.distcp (xxh3_64" in third.stderr, \
-        third.stderr[-3000:]
+    (line,) = [ln for ln in third.stderr.splitlines() if "resume refused" in ln]
+    assert line.startswith(f"elastic-ddp: resume refused: no checkpoint of run '{RUN}' verifies: ")
+    assert "__0_0.distcp (xxh3_64" in line, line
+    assert line.endswith("Restore the files from a copy, or start a new run (another run.name)"), line
+    assert "MLflow run" not in third.stdout  # refused before the run was reopened
+    (run,) = mlflow_runs(tmp_path)
+    assert run.info.status == "KILLED" and "elastic_ddp.error" not in run.data.tags, run.data.tags

@@ -1,10 +1,12 @@
 """The data-wait warning: when the training step waits for its data, the console and the
-MLflow run say so once, with the fix (``elastic_ddp.tracking.data_wait``, raised by the
-tracker, printed by the driver's ``ProgressDisplay``).
+MLflow run say so once per run, with the fix (``elastic_ddp.tracking.data_wait``, raised
+by the tracker, printed by the driver's ``ProgressDisplay``): one short console line (the
+numbers, the first fix, the troubleshooting section with the others), the full text in
+the run's tag and ``warnings/data_wait.txt``.
 
 Fast, no Ray: the watch's rule (median of the last 5 logged windows above 10 %; one
-spike is not enough; once only; a restart starts the window again) and the tracker's
-record of it.
+spike is not enough; once only; a restart starts the window again; never in a run that
+had it), the tracker's record of it, and the troubleshooting section the line names.
 
 Ray: two CLI jobs on digits, on a real local cluster with a real sqlite MLflow store. A
 task whose transform sleeps 20 ms per training row (its data is slower than its step)
@@ -22,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
-from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, THRESHOLD, WINDOW, DataWaitWatch
+from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DOC, THRESHOLD, WINDOW, DataWaitWatch
 
 FIXES = ("more CPUs", "data.read_tasks", "data.task_cpus", "CPU-only node", "data.read_ahead_mib",
          "data.block_rows")
@@ -48,6 +50,21 @@ def test_fires_once_when_the_median_of_five_windows_is_above_the_threshold():
     assert "40% of step time" in msg and "steps 2-10" in msg and "threshold is 10%" in msg
     assert all(f in msg for f in FIXES), msg
     assert watch.fired["data_wait_frac"] == pytest.approx(0.4)
+    # The console line: the numbers, the first fix, where the others are; a few hundred
+    # characters, not the whole paragraph.
+    line = watch.fired["message"]
+    assert "40% of step time" in line and "steps 2-10" in line and "threshold 10%" in line
+    assert "First fix: more read and transform processes per rank (data.read_tasks)" in line
+    assert line.endswith(f"more fixes: {DOC}") and len(line) < 350 < len(msg), (len(line), len(msg))
+
+
+def test_the_line_names_a_troubleshooting_section_that_exists():
+    doc, anchor = DOC.split("#")
+    headings = [ln.lstrip("#").strip() for ln in (Path(__file__).resolve().parents[1] / doc)
+                .read_text().splitlines() if ln.startswith("#")]
+    # GitHub's anchor of a heading: lower case, spaces to '-', punctuation dropped.
+    anchors = {"".join(c for c in h.lower().replace(" ", "-") if c.isalnum() or c in "-_") for h in headings}
+    assert anchor in anchors, headings
 
 
 def test_a_step_bound_run_with_pipeline_starts_does_not_fire():
@@ -59,6 +76,13 @@ def test_a_step_bound_run_with_pipeline_starts_does_not_fire():
     assert not _feed(DataWaitWatch(), [0.9, 0.9, 0.9, 0.9])
     # Exactly at the threshold is not above it.
     assert not _feed(DataWaitWatch(), [THRESHOLD] * 8)
+
+
+def test_a_run_that_had_the_warning_does_not_get_it_again():
+    # A resumed run whose tag says an earlier submission gave it (tracking.opener).
+    watch = DataWaitWatch()
+    watch.given()
+    assert not _feed(watch, [0.9] * 10)
 
 
 def test_a_restart_starts_the_window_again():
@@ -145,9 +169,12 @@ def test_a_run_slower_in_its_data_than_its_step_says_so_once(ray_cluster, digits
     lines = [ln for ln in console.splitlines() if "waits for its data" in ln]
     assert len(lines) == 1, console[-4000:]
     assert lines[0].startswith("elastic-ddp: warning: the training step waits for its data")
-    assert all(f in lines[0] for f in FIXES), lines[0]
+    assert "data.read_tasks" in lines[0] and lines[0].endswith(DOC) and len(lines[0]) < 400, lines[0]
+    # The run's tag holds the whole text: every fix, the same numbers.
     tag = run.data.tags.get(DATA_WAIT_TAG, "")
-    assert tag and tag in lines[0], run.data.tags
+    assert all(f in tag for f in FIXES), run.data.tags
+    share = lines[0].split("data_wait is ")[1].split(" ")[0]
+    assert f"data_wait is {share} of step time" in tag, (lines[0], tag)
     assert len(fracs) >= WINDOW and fracs[len(fracs) // 2] > THRESHOLD, fracs
 
 

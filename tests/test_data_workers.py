@@ -2,13 +2,18 @@
 real Parquet files): the same workers serve every epoch and data view of a process; a
 stream dropped part-way holds nothing up; a chunk's error reaches the run that takes it,
 with its type, and the pool goes on; a dead worker fails the run with the DataLoader's
-error and the next stream gets new workers."""
+error and the next stream gets new workers; a trainer killed with SIGKILL takes its
+forkserver and its workers with it within seconds."""
 
 from __future__ import annotations
 
 import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +150,65 @@ def test_a_dead_worker_fails_the_run_and_a_new_pool_serves(tmp_path):
     got = t.round(0, len(windows))
     assert np.array_equal(np.sort(np.concatenate([x["x"] for x in got])), np.arange(N))
     assert not pids & {int(p) for x in got for p in x["pid"]}
+
+
+def processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, command line) of every process (Linux /proc)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            out[int(d.name)] = (int(ppid), state, cmd)
+    return out
+
+
+def forkserver_of(pid: int) -> tuple[int, list[int]]:
+    """The forkserver ``pid`` started and the processes it forked (its DataLoader workers)."""
+    procs = processes()
+    (server,) = [p for p, (pp, _, cmd) in procs.items() if pp == pid and "forkserver import main" in cmd]
+    return server, [p for p, (pp, _, _) in procs.items() if pp == server]
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The processes of ``pids`` still running (zombies count as ended) after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        procs = processes()
+        alive = [p for p in pids if p in procs and procs[p][1] != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_a_killed_trainer_takes_its_forkserver_and_workers_with_it(tmp_path):
+    """SIGKILL of the process that reads (a trainer killed by a test, the OOM killer):
+    its forkserver and DataLoader workers end within seconds, where they used to wait
+    for each other for as long as the machine ran (the forkserver for its workers' copies
+    of its pipe, the workers for the forkserver)."""
+    _data(tmp_path)
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path[:0] = [{str(Path(__file__).parent)!r}]
+        from test_data_workers import Pids, _rounds, _windows
+        from elastic_ddp.data.workers import WindowStream
+
+        info, w0 = _windows(__import__("pathlib").Path({str(tmp_path)!r}), 0)
+        rounds = _rounds(len(w0), 3)
+        WindowStream(info, Pids(), w0, rounds, 0, 0, "train").round(0, rounds[0])
+        print("reading", flush=True)
+        time.sleep(600)
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "reading"
+        server, workers = forkserver_of(trainer.pid)
+        assert len(workers) == 2, workers  # READ_TASKS DataLoader workers
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert gone_within([server, *workers], 10) == [], processes().get(server)

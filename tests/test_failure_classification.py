@@ -164,3 +164,23 @@ def test_a_worker_group_error_after_the_budget_names_the_dead_rank_not_the_peer(
     e = WorkerGroupError("...", {0: _gloo_peer_error(3, 4242), 1: _actor_died(4321)})
     msg = describe_training_error(e)
     assert msg.startswith("rank 1 died") and "SIGKILL" in msg and "max_failures" in msg, msg
+
+
+def test_a_long_error_keeps_its_end_where_the_fix_is():
+    # A restore that finds no checkpoint that verifies names every bad file of every
+    # checkpoint, then the fix: the cause line clips the middle, never the end.
+    from elastic_ddp.controller.failures import classify, primary
+    from elastic_ddp.positions import RankError
+
+    bad = "; ".join(f"/work/trial/mine/ray_results/allbad/checkpoint_step{k:08d}: __0_0.distcp "
+                    f"(0 bytes, the manifest says 1234567)" for k in range(60, 200, 20))
+    text = (f"no checkpoint of run 'allbad' verifies: {bad}. Restore the files from a copy, "
+            "or start a new run (another run.name)")
+    err = RankError(f"step 0 (epoch 0, rank 0, restore): CheckpointCorruptError: {text}", rank=0,
+                    step=0, epoch=0, phase="restore", error_type="CheckpointCorruptError",
+                    fatal=True, detail=text)
+    line = primary(classify({0: err})).describe()
+    assert len(text) > 600 and len(line) < 700, len(line)
+    assert line.endswith("Restore the files from a copy, or start a new run (another run.name)"), line
+    assert "rank 0 failed at step 0 (restore): CheckpointCorruptError: no checkpoint of run 'allbad'" in line
+    assert "characters ...]" in line

@@ -12,9 +12,12 @@ A checkpoint of step k is the directory ``storage_path/run.name/checkpoint_step<
     manifest.json         written last: format, step, world size, strategy, the checksum
                           algorithm, and every file's size and checksum of the bytes as
                           written (``checkpoint.checksum``: XXH3-64; crc32 in older ones)
+    rejected.json         only in a checkpoint a restore rejected: its bad files
 
 A directory without a manifest, or whose files do not have the sizes the manifest names,
-is not complete (a write or a copy cut short) and is never restored from.
+is not complete (a write or a copy cut short) and is never restored from. A directory
+with ``rejected.json`` failed its checks once: it is never tried again, and is kept (the
+evidence) until the run's pruning removes it like any other.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ LEGACY_FORMAT = "elastic-ddp/2"
 MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 CONFIG = "config.json"
+REJECTED = "rejected.json"
 LEGACY_STATE_FILE = "state.pt"
 
 
@@ -113,10 +117,11 @@ def is_complete(fs, path: str, manifest: dict) -> bool:
 
 
 def complete_checkpoints(storage_path: str, run_name: str, newer_than: int = -1,
-                         sizes: bool = True) -> list[tuple[int, str]]:
+                         sizes: bool = True, rejected: bool = False) -> list[tuple[int, str]]:
     """``(step, path)`` of the run's complete checkpoints above ``newer_than``, newest
     first (``is_complete``: sizes only, no read). ``sizes=False``: every one with a
-    manifest (a restore then names the files whose size is wrong)."""
+    manifest (a restore then names the files whose size is wrong). Checkpoints marked
+    rejected (:func:`mark_rejected`) are left out unless ``rejected``."""
     import pyarrow.fs as pafs
 
     fs, base = run_dir(storage_path, run_name)
@@ -126,10 +131,13 @@ def complete_checkpoints(storage_path: str, run_name: str, newer_than: int = -1,
         return []
     steps = sorted(((o, i.path) for i in infos
                     if i.type == pafs.FileType.Directory and (o := _order(i.base_name))), reverse=True)
+    marked = set() if rejected else rejected_paths(fs, [p for _, p in steps])
     out = []
     for (step, _), path in steps:
         if step <= newer_than:
             break
+        if path in marked:
+            continue
         try:
             manifest = read_manifest(fs, path)
             if not sizes or is_complete(fs, path, manifest):
@@ -165,9 +173,55 @@ def incomplete_checkpoints(storage_path: str, run_name: str, newer_than: int) ->
         infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
     except OSError:
         return []
+    dirs = [i.path for i in infos if i.type == pafs.FileType.Directory
+            and checkpoint_step(i.base_name) > newer_than]
     done = {p for _, p in complete_checkpoints(storage_path, run_name, newer_than)}
-    return [i.path for i in infos if i.type == pafs.FileType.Directory
-            and checkpoint_step(i.base_name) > newer_than and i.path not in done]
+    kept = done | rejected_paths(fs, dirs)  # a rejected one is evidence, pruned as any other
+    return [p for p in dirs if p not in kept]
+
+
+def rejected_paths(fs, paths: list[str]) -> set[str]:
+    """The checkpoint directories among ``paths`` marked rejected (one stat each, in one
+    call)."""
+    import pyarrow.fs as pafs
+
+    if not paths:
+        return set()
+    try:
+        infos = fs.get_file_info([f"{p}/{REJECTED}" for p in paths])
+    except OSError:
+        return set()
+    return {p for p, i in zip(paths, infos) if i.type == pafs.FileType.File}
+
+
+def mark_rejected(fs, path: str, bad: list[str], by: str) -> None:
+    """Mark the checkpoint at ``path`` rejected (``rejected.json``: when, by whom, its bad
+    files): no restore, final model or storage scan uses it again. Never raises (a
+    read-only storage leaves it unmarked: it is then checked, and rejected, again)."""
+    import time
+
+    try:
+        with fs.open_output_stream(f"{path}/{REJECTED}") as out:
+            out.write(json.dumps({"t": time.time(), "by": by, "bad_files": list(bad)}, indent=1).encode())
+    except OSError:
+        pass
+
+
+def rejected_reasons(fs, path: str) -> Optional[list[str]]:
+    """The bad files recorded in the rejected checkpoint at ``path`` (None: not marked)."""
+    try:
+        with fs.open_input_stream(f"{path}/{REJECTED}") as f:
+            return list(json.loads(f.read()).get("bad_files") or ["(marked rejected)"])
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def none_verifies(run_name: str, rejected: list[tuple[str, list[str]]]) -> str:
+    """The error when checkpoints exist and none verifies: every bad file of each
+    (``rejected``: path, bad files), then the fix."""
+    return (f"no checkpoint of run {run_name!r} verifies: "
+            + "; ".join(f"{p}: {', '.join(b)}" for p, b in rejected)
+            + ". Restore the files from a copy, or start a new run (another run.name)")
 
 
 def describe(manifest: Optional[dict]) -> str:

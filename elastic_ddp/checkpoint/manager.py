@@ -35,7 +35,7 @@ from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powers
 from elastic_ddp.checkpoint.layout import (
     CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
     checkpoint_name, complete_checkpoints, describe, free_name, incomplete_checkpoints,
-    is_complete, read_manifest, run_dir)
+    is_complete, mark_rejected, none_verifies, read_manifest, rejected_paths, run_dir)
 
 #: What a run state holds (JSON): the trainer's progress and counters, the data it was
 #: written on, and per-step fault tolerance's torchft step counters.
@@ -245,7 +245,13 @@ class CheckpointManager:
         checkpoint past the newest ``keep``."""
         fs, _ = run_dir(self.storage, self.run_name)
         removed = []
-        for _, path in complete_checkpoints(self.storage, self.run_name)[keep:]:
+        good = complete_checkpoints(self.storage, self.run_name)
+        # A rejected one goes once `keep` good ones are newer (nothing else removes it).
+        oldest_kept = good[keep - 1][0] if keep and len(good) >= keep else None
+        rejected = [] if oldest_kept is None else [
+            (k, p) for k, p in complete_checkpoints(self.storage, self.run_name, sizes=False, rejected=True)
+            if k < oldest_kept and p in rejected_paths(fs, [p])]
+        for _, path in good[keep:] + rejected:
             try:
                 if read_manifest(fs, path).get("reported", True) is False:
                     fs.delete_dir(path)
@@ -274,7 +280,8 @@ class CheckpointManager:
         if self.storage:
             fs, _ = run_dir(self.storage, self.run_name)
             cands = [p for _, p in complete_checkpoints(self.storage, self.run_name, sizes=False)]
-        if not cands and ray_checkpoint is not None:
+        if not cands and ray_checkpoint is not None and not rejected_paths(
+                ray_checkpoint.filesystem, [ray_checkpoint.path]):
             fs, cands = ray_checkpoint.filesystem, [ray_checkpoint.path]
         cands = self._broadcast(cands)
         rejected: list[tuple[str, list[str]]] = []
@@ -283,7 +290,7 @@ class CheckpointManager:
             if manifest.get("format") == LEGACY_FORMAT or "state_bytes" in manifest:
                 if not is_complete(fs, path, manifest):
                     rejected.append((path, ["state.pt (not the size its manifest names)"]))
-                    self._reject(path, rejected[-1][1])
+                    self._reject(path, rejected[-1][1], fs)
                     continue
                 return self._load_legacy(strategy, fs, path), path
             names = sorted(manifest["files"])
@@ -293,7 +300,7 @@ class CheckpointManager:
                 bad, run_state = self._load_verified(strategy, fs, path, manifest, share)
             if bad:
                 rejected.append((path, bad))
-                self._reject(path, bad)
+                self._reject(path, bad, fs)
                 continue
             # Restart mode only: every rank is restoring, so no write is under way (in
             # per-step mode a replacement restores while the quorum may be writing).
@@ -304,22 +311,27 @@ class CheckpointManager:
             self.log(f"restored {path} ({describe(manifest)}) at world size {self.world_size}")
             return run_state, path
         if rejected:
-            raise CheckpointCorruptError(
-                f"no checkpoint of run {self.run_name!r} verifies: " + "; ".join(
-                    f"{p}: {', '.join(b)}" for p, b in rejected)
-                + ". Restore the files from a copy, or start a new run (another run.name)")
+            raise CheckpointCorruptError(none_verifies(self.run_name, rejected))
         return None
 
-    def _reject(self, path: str, bad: list[str]) -> None:
-        msg = (f"elastic-ddp: warning: checkpoint {path} fails its checksums: {', '.join(bad)}; "
-               "trying the previous checkpoint")
+    def _reject(self, path: str, bad: list[str], fs=None) -> None:
+        """Rank 0: say so (this process's stderr; the driver's console through the
+        tracker's notices, as it happens), record a ``checkpoint_rejected`` event, and
+        mark the checkpoint rejected on storage, so that no later restore tries it (or
+        warns about it) again."""
+        text = (f"checkpoint {path} fails its checksums: {', '.join(bad)}; "
+                "trying the previous checkpoint")
         if self.rank == 0:
+            msg = f"elastic-ddp: warning: {text}"
             sys.stderr.write(msg + "\n")
             sys.stderr.flush()
             self.log(msg)
+            if fs is not None:
+                mark_rejected(fs, path, bad, by=f"a restore at world size {self.world_size}")
             if self.tracker is not None:
                 self.tracker.event({"type": "checkpoint_rejected", "t": time.time(),
-                                    "checkpoint": path, "bad_files": bad, "cause": msg})
+                                    "checkpoint": path, "bad_files": bad, "cause": msg,
+                                    "warning": text})
 
     def _load_verified(self, strategy, fs, path: str, manifest: dict,
                        share: list[str]) -> tuple[list[str], Optional[dict]]:

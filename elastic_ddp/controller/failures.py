@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-from elastic_ddp.causes import SHAPE_OR_DTYPE, first_line, says_so, storage_problem
+from elastic_ddp.causes import SHAPE_OR_DTYPE, clip, first_line, says_so, storage_problem
 from elastic_ddp.notice import preempted_in
 from elastic_ddp.positions import ANSI_ESCAPE, FATAL_TYPES, RankError, is_fatal
 
@@ -95,7 +95,7 @@ class RankFailure:
             return f"rank {self.rank} {verb} {where}{node}{pid}: {self.how}{sig}"
         lines = [ln for ln in self.message.strip().splitlines() if ln.strip()]
         text = " ".join(lines[:2]) if len(lines) > 1 and len(lines[0]) < 80 else (lines[0] if lines else "")
-        return f"rank {self.rank} failed at {where}: {self.error_type}: {text[:400]}"
+        return f"rank {self.rank} failed at {where}: {self.error_type}: {clip(text, 600)}"
 
 
 def death_of(exc: BaseException) -> Optional[BaseException]:

@@ -22,7 +22,9 @@ with torch, the task and its transform state, each) for as long as the trainer r
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import os
 import threading
 import warnings
 import weakref
@@ -32,13 +34,12 @@ import numpy as np
 import pyarrow as pa
 
 from elastic_ddp.data.ingest import READ_TASKS, _read_windows, read_chunks, read_task_count
+from elastic_ddp.data.lifetime import watch_trainer, worker_context
 from elastic_ddp.data.order import Window
 from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.tasks.protocol import Task
 from elastic_ddp.tasks.transform import TaskTransform
 
-# Modules a data worker needs, imported once by the forkserver its workers fork from.
-WORKER_PRELOAD = ["numpy", "pyarrow.parquet", "torch", "ray.data.block", "elastic_ddp.data.workers"]
 # Chunks in flight per worker (the DataLoader's prefetch_factor).
 PREFETCH_PER_WORKER = 2
 # Chunks a run may have read past the chunks it asked for (the start of its next round).
@@ -151,24 +152,6 @@ class _Sampler:
 
     def __next__(self) -> ChunkKey:
         return self._pool._next_key()
-
-
-def worker_context():
-    """The multiprocessing context of the DataLoader workers: ``forkserver``, its server
-    started now (it imports ``WORKER_PRELOAD`` in the background). A worker forked from
-    this process instead would inherit locks that its other threads (the training step,
-    Ray's core worker) may hold at that moment: torch's seeding of a new worker waits
-    forever on such a lock. The server is a fresh single-threaded process, started once
-    per process; what it costs: its imports (seconds, once) and, per worker, unpickling
-    the dataset (the task is cloudpickled, like for Ray's tasks)."""
-    import multiprocessing as mp
-    import multiprocessing.forkserver as fs
-
-    ctx = mp.get_context("forkserver")
-    # The preload list is read only when the server starts: once it runs, this is a no-op.
-    ctx.set_forkserver_preload(WORKER_PRELOAD)
-    fs.ensure_running()
-    return ctx
 
 
 class _Run:
@@ -301,10 +284,12 @@ class DataWorkers:
         from torch.utils.data import DataLoader
 
         if self._loader is None:
+            # Each worker ends with this process, a SIGKILL included (data.lifetime).
             self._loader = DataLoader(
                 self._jobs, batch_size=None, sampler=_Sampler(self), num_workers=self.workers,
                 collate_fn=_as_is, prefetch_factor=PREFETCH_PER_WORKER,
-                persistent_workers=True, multiprocessing_context=self._ctx)
+                persistent_workers=True, multiprocessing_context=self._ctx,
+                worker_init_fn=functools.partial(watch_trainer, os.getpid()))
         return self._loader
 
     def _shutdown(self) -> None:

@@ -22,7 +22,8 @@ exit codes:
        submit could not reach the cluster
   2    bad config, data or arguments, or a missing optional dependency: no MLflow
        run, no local Ray (on a running cluster the job's two actors are stopped);
-       or no checkpoint of the run passes its checksums
+       or a run that cannot resume (no checkpoint of it verifies, or its config or
+       model differs where a resume keeps it): its MLflow run is left as it was
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
   143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
        restart mode); running the same config again resumes it with no step recomputed.
@@ -160,10 +161,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _train(cfg, args)
     except ConfigError as e:
         from elastic_ddp.driver.lease import RunBusyError
+        from elastic_ddp.driver.resume import ResumeError
         from elastic_ddp.tasks.loading import TaskError
 
         kind = ("task error" if isinstance(e, TaskError) else
-                "run in use" if isinstance(e, RunBusyError) else "config error")
+                "run in use" if isinstance(e, RunBusyError) else
+                "resume refused" if isinstance(e, ResumeError) else "config error")
         print(f"elastic-ddp: {kind}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -85,8 +85,9 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         if "recovery_s" in ev:
             tracking.log_metrics(uri, run_id, {"recovery_s": ev["recovery_s"]},
                                  ev.get("resumed_at_step", 0))
-    if events:
-        tracking.log_table(uri, run_id, [_event_row(e) for e in events], "events/recovery.json")
+    rows = [_event_row(e) for e in events if e.get("type") != "config_change"]
+    if rows:
+        tracking.log_table(uri, run_id, rows, "events/recovery.json")
     if startup:
         started = tracking.iso_time(marks.get("process_start", t0))
         tracking.log_table(uri, run_id, [

@@ -33,7 +33,7 @@ from elastic_ddp.driver.stop import (EarlySigterm, JobInterrupted, JobStopped,  
                                      SigtermStop, StoppedBeforeTraining)
 from elastic_ddp.run_state import Diagnostics
 
-from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener  # noqa: F401 - re-exported
+from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener, run_dir_exists  # noqa: F401 - re-exported
 
 
 class TrainingError(RuntimeError):
@@ -317,8 +317,12 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             print(lease.describe_takeover(), flush=True)
         marks["scanned"] = time.time()
         storage = _storage_path(cfg)
-        opener.open(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
+        opener.find(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
                     train_info=train_info, val_info=val_info, skipped=skipped)
+        # A run with storage may resume: its checkpoints and config are checked before Ray
+        # starts and before its MLflow run is touched (exit 2 on bad input).
+        resume = _check_resume(cfg, opener, storage, prep) if run_dir_exists(storage, cfg.run.name) else None
+        opener.go()
         # A local ray.init mostly waits for its GCS and raylet processes to come up; Ray
         # Train's import runs beside it.
         side = Background(_import_ray_train, name="import-ray-train")
@@ -332,6 +336,9 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     except BaseException as e:
         try:
             _kill(host, tracker)
+            if not opener.went:  # refused before the run was opened: nothing to close
+                opener.cancel()
+                raise
             # The run may be open by now (opened beside ray.init): close it, then re-raise.
             # (An open that failed, e.g. a deleted experiment, raises again here: no run.)
             try:
@@ -349,7 +356,12 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     try:
         resumed = opened["resumed"]
         cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
-        tracker.bind.remote(run_id, **opened["attempts"])
+        tracker.bind.remote(run_id, **opened["attempts"], history=opened["history"],
+                            data_wait_given=opened["data_wait_given"])
+        if resume is not None and resume.tags:
+            tracker.set_tags.remote(resume.tags)
+        for ev in resume.events if resume is not None else ():
+            tracker.event.remote(ev)
         from elastic_ddp.batching import run_length
 
         total = run_length(cfg, train_info.num_rows, cfg.scaling.max_workers)[1].total_steps
@@ -404,3 +416,24 @@ def _raise_interrupted(e: BaseException, run_id: str, cfg: Config) -> None:
     names the run and how to resume (the CLI prints it)."""
     if isinstance(e, KeyboardInterrupt) and not isinstance(e, JobInterrupted):
         raise JobInterrupted.of_run(run_id, cfg.run.resume) from None
+
+
+def _check_resume(cfg: Config, opener: RunOpener, storage: str, prep):
+    """``driver.resume.check_resume`` of the unfinished run the MLflow helper found (None:
+    a new run). Raises ResumeError (exit 2)."""
+    found = opener.found()
+    if found is None:
+        return None
+    from elastic_ddp.driver.resume import check_resume
+
+    def model():
+        if prep.dry_run.model is not None:
+            return prep.dry_run.model
+        import torch
+
+        from elastic_ddp.tasks.loading import build_model
+
+        with torch.device("meta"):
+            return build_model(cfg, prep.task)
+
+    return check_resume(cfg, found, storage, prep.train_info.fingerprint, model)

@@ -52,6 +52,11 @@ class Summary:
     model_id: Optional[str] = None
 
 
+#: The event types that restart the workers (the others: ``checkpoint_rejected``,
+#: ``config_change``, recorded without a restart of their own).
+RESTARTS = ("failure", "resize", "preemption")
+
+
 def goodput(committed_train_s: float, wall_s: float) -> float:
     """Goodput = seconds spent in training steps that a checkpoint committed / wall
     seconds since the job's first start (start-up, evaluation, checkpoint writes,
@@ -86,10 +91,11 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
         failed = set(ev.get("failed_ranks") or ())
         if failed and any("rank" in a for a in nxt):
             nxt = [{**a, "resumed_from": int(a.get("step", 1)) - 1} for a in nxt if a.get("rank") in failed]
-        # Not a restart: a rejected checkpoint, or a per-step replica that left its quorum
+        # Not a restart: a rejected checkpoint, a config change on resume, or a per-step
+        # replica that left its quorum
         # (the others never stopped; the event carries its own resumed_at_step and
         # steps_recomputed).
-        if not nxt or ev.get("type") == "checkpoint_rejected" or ev.get("left_quorum"):
+        if not nxt or ev.get("type") not in RESTARTS or ev.get("left_quorum"):
             continue
         ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
         ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))
@@ -183,6 +189,10 @@ def format_summary(s: Summary) -> str:
         if ev.get("type") == "checkpoint_rejected":
             lines.append(f"  checkpoint rejected: {ev.get('checkpoint')}: "
                          f"{', '.join(ev.get('bad_files', []))}")
+            continue
+        if ev.get("type") == "config_change":
+            lines.append(f"  config changed on resume (step {ev.get('step')}): " + ", ".join(
+                f"{k} {a} -> {b}" for k, (a, b) in (ev.get("changes") or {}).items()))
             continue
         lines.append(f"  event: {ev.get('type')} cause={ev.get('cause', '')!s:.80} "
                      f"recovery_s={ev.get('recovery_s')} steps_recomputed={ev.get('steps_recomputed')}")

@@ -1,5 +1,7 @@
 """When the training step waits for its data: a watch over the logged step windows that
-raises one warning per job, with the fix.
+raises one warning per MLflow run (a resumed run whose tag says it was given gets none),
+with the fix: one short console line (the numbers, the first fix, where the others are),
+and the full text in the run's tag and ``warnings/data_wait.txt``.
 
 Input: each logged window's ``data_wait_frac`` and ``step_time_s`` (``elastic_ddp.metrics``,
 ``StepWindow.reduce``): the slowest rank's data wait over the slowest rank's step time,
@@ -25,10 +27,23 @@ WINDOW = 5
 DATA_WAIT_TAG = "elastic_ddp.warning.data_wait"
 
 
+#: Where the fixes are explained (the console line points there).
+DOC = "docs/troubleshooting.md#the-training-step-waits-for-its-data"
+
+
+def data_wait_line(frac: float, first_step: int, last_step: int, threshold: float = THRESHOLD,
+                   window: int = WINDOW) -> str:
+    """The console line: the numbers, the first fix, and where the others are."""
+    return (f"the training step waits for its data: data_wait is {frac:.0%} of step time "
+            f"(median of the last {window} logged windows, steps {first_step}-{last_step}; "
+            f"threshold {threshold:.0%}). First fix: more read and transform processes per "
+            f"rank (data.read_tasks) where the nodes have idle cores; more fixes: {DOC}")
+
+
 def data_wait_message(frac: float, first_step: int, last_step: int, threshold: float = THRESHOLD,
                       window: int = WINDOW) -> str:
-    """The warning for a median data-wait share ``frac`` over logged steps
-    ``first_step..last_step`` (one paragraph, no newline)."""
+    """The warning in full for a median data-wait share ``frac`` over logged steps
+    ``first_step..last_step`` (one paragraph, no newline): the run's tag and artifact."""
     return (f"the training step waits for its data: data_wait is {frac:.0%} of step time "
             f"(median of the last {window} logged windows, logged at steps {first_step}-{last_step}; "
             f"the threshold is {threshold:.0%}), so the accelerator idles while the data path "
@@ -42,7 +57,8 @@ def data_wait_message(frac: float, first_step: int, last_step: int, threshold: f
 
 
 class DataWaitWatch:
-    """Fires once per object (one per job: the tracker's) when the step waits for data.
+    """Fires once per object (one per job: the tracker's) when the step waits for data;
+    never after :meth:`given` (an earlier submission of the run gave the warning).
 
     ``threshold``: share of step time, in (0, 1). ``window``: logged windows in the
     median, >= 1.
@@ -56,10 +72,15 @@ class DataWaitWatch:
         self._prev_step: Optional[int] = None
         self.fired: Optional[dict] = None
 
+    def given(self) -> None:
+        """The run has had this warning (a resumed run's tag): it does not fire again."""
+        self.fired = {"kind": "data_wait", "given": True}
+
     def add(self, metrics: Mapping[str, float], step: int) -> Optional[str]:
         """One metrics record as the trainer logs it at ``step``. Records without
-        ``data_wait_frac`` (validation, events) are ignored. Returns the warning the first
-        time the median exceeds the threshold, else None (also every time after)."""
+        ``data_wait_frac`` (validation, events) are ignored. Returns the warning in full
+        the first time the median exceeds the threshold, else None (also every time
+        after); ``fired["message"]`` is then its console line (:func:`data_wait_line`)."""
         if self.fired is not None or "data_wait_frac" not in metrics:
             return None
         frac = float(metrics["data_wait_frac"])
@@ -81,5 +102,6 @@ class DataWaitWatch:
             return None
         first, last = self._recent[0][0], self._recent[-1][0]
         msg = data_wait_message(median, first, last, self.threshold, self.window)
-        self.fired = {"kind": "data_wait", "step": last, "data_wait_frac": median, "message": msg}
+        self.fired = {"kind": "data_wait", "step": last, "data_wait_frac": median,
+                      "message": data_wait_line(median, first, last, self.threshold, self.window)}
         return msg

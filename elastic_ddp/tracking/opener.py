@@ -37,14 +37,18 @@ RAY_RUN_NAME_TAG = "elastic_ddp.ray_run_name"
 
 
 class RunOpener:
-    """The helper process: started (MLflow imported in it) on construction; :meth:`open`
-    sends the request, :meth:`result` waits for the answer, :meth:`finish` stops the
-    system-metrics monitor (its last samples written) and the process.
+    """The helper process: started (MLflow imported in it) on construction.
+    :meth:`find` sends the request and the helper looks for the run to resume (reading
+    only); :meth:`found` waits for what it found; :meth:`go` lets it open the run (or
+    reopen the one found), :meth:`result` waits for that answer; :meth:`finish` stops
+    the system-metrics monitor (its last samples written) and the process.
+    :meth:`open` is :meth:`find` and :meth:`go` at once.
 
     The helper ignores SIGINT: a Ctrl-C in the terminal reaches it too, and a run it is
     opening must be finished so that the driver can close it as KILLED. :meth:`cancel`
-    kills it before a request; it exits by itself when its stdin closes without a
-    request or the driver dies."""
+    kills it before a request, and before :meth:`go` ends it with nothing opened or
+    changed; it exits by itself when its stdin closes without a request or the driver
+    dies."""
 
     def __init__(self, uri: str):
         root = str(Path(__file__).resolve().parents[2])
@@ -53,10 +57,18 @@ class RunOpener:
         self._p = subprocess.Popen([sys.executable, "-m", "elastic_ddp.tracking.opener", uri],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._sent = False
+        #: :meth:`go` was sent: the helper opens (or reopens) the run.
+        self.went = False
 
     def open(self, **request: Any) -> None:
-        """Send the open request (the keyword arguments of :func:`open_job_run`); the
-        answer is read in a thread, so that a Ctrl-C in :meth:`result` loses nothing."""
+        """:meth:`find` and :meth:`go` at once: the run is opened without waiting."""
+        self.find(go=True, **request)
+
+    def find(self, go: bool = False, **request: Any) -> None:
+        """Send the request (the keyword arguments of :func:`open_job_run`): the helper
+        looks for the run to resume, answers (:meth:`found`) and waits for :meth:`go`
+        (``go``: sent with it). Both answers are read in a thread, so that a Ctrl-C in a
+        wait loses nothing."""
         from elastic_ddp.background import Background, signals_held
 
         # All or nothing: a signal raised between the send and the reader's start would
@@ -64,21 +76,53 @@ class RunOpener:
         with signals_held():
             try:
                 pickle.dump(request, self._p.stdin)
-                self._p.stdin.close()
+                self._p.stdin.flush()
             except BrokenPipeError:  # the helper died: result() says so
                 pass
             self._sent = True
-            self._answer = Background(self._read, name="mlflow-helper")
+            self._found = Background(self._read, name="mlflow-helper-find")
+            self._answer = Background(self._read_after_found, name="mlflow-helper")
+            if go:
+                self._go()
+
+    def go(self) -> None:
+        """Let the helper open the run (or reopen the one it found)."""
+        from elastic_ddp.background import signals_held
+
+        with signals_held():
+            self._go()
+
+    def _go(self) -> None:
+        try:
+            pickle.dump("go", self._p.stdin)
+            self._p.stdin.close()
+        except (BrokenPipeError, ValueError):  # the helper died: result() says so
+            pass
+        self.went = True
 
     def _read(self):
-        data = self._p.stdout.read()  # the helper closes its end after answering
         try:
-            return pickle.loads(data)
+            return pickle.load(self._p.stdout)
         except Exception:  # noqa: BLE001 - no answer at all: say what happened
             self._p.wait()
             return False, RuntimeError(
                 f"the MLflow helper process exited with code {self._p.returncode} without "
                 "opening the run (its error is printed above)")
+
+    def _read_after_found(self):
+        ok, _ = self._found.result()
+        return self._read() if ok else (ok, _)
+
+    def found(self) -> Optional[dict[str, Any]]:
+        """The unfinished run this job resumes (:func:`find_job_run`), or None (a new run).
+
+        Raises:
+            what the helper's search raised; RuntimeError: it died without an answer.
+        """
+        ok, value = self._found.result()
+        if not ok:
+            raise value
+        return value
 
     def result(self) -> dict[str, Any]:
         """:func:`open_job_run`'s answer (the same on every call); its exception is
@@ -121,26 +165,60 @@ class RunOpener:
             self._sent = True
             if self._p.poll() is None:
                 self._p.kill()
+        elif not self.went:
+            try:
+                self._p.stdin.close()  # no go: the helper exits with nothing opened
+            except OSError:
+                pass
+            self.went = True
         self._wait(10)
         self._p.stdout.close()
 
 
+def find_job_run(cfg, storage: str, uri: str, **_: Any) -> Optional[dict[str, Any]]:
+    """The unfinished run this job would resume (``tracking.runs.find_run``; read only),
+    as ``{"run_id", "status", "ray_run_name", "params", "tags"}`` (``ray_run_name``: the
+    Ray Train run directory it recorded, None when it recorded none; ``tags``: its
+    ``elastic_ddp.*`` tags), or None: a new run."""
+    from elastic_ddp.tracking.runs import find_run
+
+    run = find_run(cfg, storage, uri)
+    if run is None:
+        return None
+    tags = run.data.tags
+    return {"run_id": run.info.run_id, "status": run.info.status,
+            "ray_run_name": tags.get(RAY_RUN_NAME_TAG), "params": dict(run.data.params),
+            "tags": {k: v for k, v in tags.items() if k.startswith("elastic_ddp.")}}
+
+
 def open_job_run(cfg, storage: str, uri: str, parent_run_id: Optional[str], task_params: dict,
-                 train_info, val_info, skipped: dict, system_metrics: bool = True) -> dict[str, Any]:
+                 train_info, val_info, skipped: dict, system_metrics: bool = True,
+                 found: Any = "search") -> dict[str, Any]:
     """Open (or reopen) the job's run and log what is known before training: the data
     sets, the task's params, the files the scan skipped, the Ray Train run name
-    (:func:`ray_run_name`), and for a resumed run its worker-group starts so far. A failure after the run is open closes it as FAILED.
+    (:func:`ray_run_name`), and for a resumed run its worker-group starts so far and
+    its earlier submissions' records (``tracking.history.earlier_records``). A failure
+    after the run is open closes it as FAILED.
 
     ``system_metrics``: the helper then monitors the system (:func:`start_system_metrics`).
+    ``found``: :func:`find_job_run`'s answer (default: the run is looked for here).
 
-    Returns: ``{"run_id", "resumed", "ray_run_name", "attempts"}``: the Ray Train run
-    name (:func:`ray_run_name`) alone, not a config, so that the driver keeps the one
-    ``Config`` it validated."""
+    Returns: ``{"run_id", "resumed", "ray_run_name", "attempts", "history",
+    "data_wait_given"}``: the Ray Train run name (:func:`ray_run_name`) alone, not a
+    config, so that the driver keeps the one ``Config`` it validated; ``history``: the
+    earlier submissions' events, attempts and timeline; ``data_wait_given``: the run's
+    data-wait warning was given by an earlier submission."""
     import json
 
     from elastic_ddp import tracking
+    from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG
+    from elastic_ddp.tracking.history import earlier_records
 
-    run_id, resumed = tracking.open_run(cfg, storage, uri, parent_run_id=parent_run_id)
+    if found == "search":
+        found = find_job_run(cfg, storage, uri)
+    history = earlier_records(uri, found["run_id"]) if found else {}
+    run_id, resumed = tracking.open_run(cfg, storage, uri, parent_run_id=parent_run_id,
+                                        resume_id=found["run_id"] if found else None)
     try:
         tracking.log_job_inputs(uri, run_id, cfg, task_params, train_info, val_info, resumed)
         ray_name = ray_run_name(cfg, storage, uri, run_id, resumed)
@@ -151,7 +229,8 @@ def open_job_run(cfg, storage: str, uri: str, parent_run_id: Optional[str], task
     except BaseException as e:
         tracking.finish_run(uri, run_id, ok=False, error=f"{type(e).__name__}: {e}", status="FAILED")
         raise
-    return {"run_id": run_id, "resumed": resumed, "ray_run_name": ray_name, "attempts": attempts}
+    return {"run_id": run_id, "resumed": resumed, "ray_run_name": ray_name, "attempts": attempts,
+            "history": history, "data_wait_given": bool(found and DATA_WAIT_TAG in found["tags"])}
 
 
 def ray_run_name(cfg, storage: str, uri: str, run_id: str, resumed: bool) -> str:
@@ -165,13 +244,14 @@ def ray_run_name(cfg, storage: str, uri: str, run_id: str, resumed: bool) -> str
     ray_name = run_info(uri, run_id).data.tags.get(RAY_RUN_NAME_TAG) if resumed else None
     if ray_name is None:
         ray_name = cfg.run.name
-        if not resumed and _run_dir_exists(storage, ray_name):
+        if not resumed and run_dir_exists(storage, ray_name):
             ray_name = f"{cfg.run.name}-{run_id[:8]}"
         set_tags(uri, run_id, {RAY_RUN_NAME_TAG: ray_name})
     return ray_name
 
 
-def _run_dir_exists(storage: str, name: str) -> bool:
+def run_dir_exists(storage: str, name: str) -> bool:
+    """Whether the run directory ``storage/name`` exists (a run that may have checkpoints)."""
     import pyarrow.fs
 
     from elastic_ddp.paths import uri_to_filesystem
@@ -241,7 +321,17 @@ def _main(uri: str) -> int:
     except EOFError:
         return 0  # cancelled: nothing opened
     try:
-        answer = open_job_run(**request)
+        found = find_job_run(**request)
+    except BaseException as e:  # noqa: BLE001 - raised again in the driver
+        _answer(out, False, e)
+        return 0
+    _answer(out, True, found)
+    try:
+        pickle.load(sys.stdin.buffer)  # the driver's go
+    except EOFError:
+        return 0  # the driver's checks refused the job: nothing opened or changed
+    try:
+        answer = open_job_run(**request, found=found)
     except BaseException as e:  # noqa: BLE001 - raised again in the driver
         _answer(out, False, e)
         return 0

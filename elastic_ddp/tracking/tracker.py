@@ -9,6 +9,7 @@ import time
 from typing import Any, Optional
 
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
+from elastic_ddp.tracking.history import FILES, with_earlier
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
                                         WORLD_SIZES_TAG, display_rank, is_transient, client,
                                         metric_key, run_info)
@@ -34,7 +35,8 @@ class JobTracker:
     """
 
     def __init__(self, uri: str, run_id: Optional[str] = None, flush_period_s: float = 1.0,
-                 attempts_before: int = 0, world_sizes_before: Optional[list] = None):
+                 attempts_before: int = 0, world_sizes_before: Optional[list] = None,
+                 history: Optional[dict[str, list]] = None, data_wait_given: bool = False):
         self.uri, self.run_id = uri, None
         self._bound = threading.Event()
         self._attempts, self._world_sizes = 0, []
@@ -63,20 +65,34 @@ class JobTracker:
         # then everything is buffered. (MLflow's system-metrics monitor runs in the
         # driver's helper process, elastic_ddp.tracking.opener, from the run's opening.)
         self._go = threading.Event()
+        # A resumed run's earlier submissions' events, attempts and timeline: written
+        # before this submission's own (tracking.history).
+        self._earlier: dict[str, list] = {}
         if run_id is not None:
-            self.bind(run_id, attempts_before, world_sizes_before)
+            self.bind(run_id, attempts_before, world_sizes_before, history, data_wait_given)
         start_deferring_signals(threading.Thread(target=self._loop, name="mlflow-writer", daemon=True))
 
-    def bind(self, run_id: str, attempts_before: int = 0, world_sizes_before: Optional[list] = None) -> None:
+    def bind(self, run_id: str, attempts_before: int = 0, world_sizes_before: Optional[list] = None,
+             history: Optional[dict[str, list]] = None, data_wait_given: bool = False) -> None:
         """The run to write to, once it is open (the driver starts the tracker before).
         ``attempts_before``/``world_sizes_before``: worker-group starts of this job in
         earlier submissions (the run's tags), so the restart count holds across
-        resubmissions."""
+        resubmissions. ``history``: the earlier submissions' ``events``, ``attempts`` and
+        ``timeline`` (``tracking.history.earlier_records``), kept first in the artifacts.
+        ``data_wait_given``: an earlier submission gave the run's data-wait warning."""
         with self._lock:
             self.run_id = run_id
             self._attempts = int(attempts_before) + self._attempts
             self._world_sizes = [int(w) for w in (world_sizes_before or [])] + self._world_sizes
+            self._earlier = {k: list(v) for k, v in (history or {}).items()}
+            if data_wait_given:
+                self._data_wait.given()
         self._bound.set()
+
+    def _artifact(self, key: str) -> None:
+        """Queue list ``key``'s artifact (under the lock): the earlier submissions'
+        entries, then this one's."""
+        self._artifacts[FILES[key]] = with_earlier(self._earlier, key, getattr(self, key))
 
     # -- calls from workers, controller and driver -----------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -128,7 +144,7 @@ class JobTracker:
                 self.attempts.append(dict(marks))
             else:
                 mine[-1].update(marks)
-            self._artifacts["events/attempts.json"] = json.dumps(self.attempts, indent=1)
+            self._artifact("attempts")
         if "first_step" in marks:
             self._go.set()
 
@@ -150,8 +166,8 @@ class JobTracker:
                 self.events.sort(key=lambda e: e.get("index", 0))
             if timeline is not None:
                 self.timeline.append(timeline)
-            self._artifacts["events/events.json"] = json.dumps(self.events, indent=1)
-            self._artifacts["events/timeline.json"] = json.dumps(self.timeline, indent=1)
+            self._artifact("events")
+            self._artifact("timeline")
 
     def update_event(self, index: int, fields: dict[str, Any]) -> None:
         with self._lock:
@@ -160,7 +176,7 @@ class JobTracker:
                 self._early_updates.setdefault(index, {}).update(fields)
                 return
             ev.update(fields)
-            self._artifacts["events/events.json"] = json.dumps(self.events, indent=1)
+            self._artifact("events")
 
     def progress(self) -> dict[str, float]:
         with self._lock:

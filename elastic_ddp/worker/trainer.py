@@ -37,7 +37,7 @@ from elastic_ddp.worker.rank_loader import RankLoader
 from elastic_ddp.tasks.loading import build_model
 from elastic_ddp.tasks.protocol import model_inputs, parameter_dtype
 from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
-                                   Progress, StepError)
+                                   Progress, StepError, data_identity)
 from elastic_ddp.tracking import TrackerClient
 
 
@@ -130,10 +130,7 @@ class Trainer:
         self.ft.load_state_dict(state)
 
     def state_dict_data(self) -> dict[str, Any]:
-        c = self.cfg
-        return {"fingerprint": self.job.train.fingerprint, "order": c.data.order,
-                "partitions": c.partitions, "window": c.data.shuffle_window_rows,
-                "block_rows": c.data.block_rows, "seed": c.seed}
+        return data_identity(self.cfg, self.job.train.fingerprint)
 
     def restore(self, checkpoint) -> None:
         """Load the newest checkpoint that verifies (``CheckpointManager.restore``: a newer

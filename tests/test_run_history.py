@@ -1,0 +1,90 @@
+"""A resumed run keeps what its earlier submissions recorded: the real MLflow helper
+process reopens the run in a real sqlite store, and a real tracker (in this process, as
+the actor runs it) writes the next submission's records after the earlier ones.
+
+- ``events/events.json`` and ``events/attempts.json`` hold every submission's entries;
+  the previous submission's end (FAILED, its error) is a ``submission_end`` event, and
+  the ``elastic_ddp.error`` tag is gone from the reopened run (a run that then finishes
+  carries no stale error);
+- the data-wait warning given by an earlier submission is not given again.
+"""
+
+from __future__ import annotations
+
+import json
+
+from conftest import digits_config
+from helpers import open_request
+from elastic_ddp import tracking
+from elastic_ddp.config import Config
+from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG
+from elastic_ddp.tracking.history import read_records
+from elastic_ddp.tracking.opener import RunOpener
+from elastic_ddp.tracking.tracker import JobTracker
+
+
+def _open(cfg: Config, uri: str, storage: str) -> dict:
+    opener = RunOpener(uri)
+    opener.open(**open_request(cfg, uri, storage), system_metrics=False)
+    try:
+        return opener.result()
+    finally:
+        opener.finish()
+
+
+def _submission(uri: str, opened: dict, step: int, data_bound: bool = False) -> JobTracker:
+    """One submission's tracker: a worker-group start, a failure event, metrics; written."""
+    t = JobTracker(uri, opened["run_id"], **opened["attempts"], history=opened["history"],
+                   data_wait_given=opened["data_wait_given"])
+    t.attempt(enter=1.0 + step, ready=2.0 + step, world_size=2)
+    t.event({"type": "failure", "t": 10.0 + step, "index": 0, "cause": f"rank 1 died at step {step}"})
+    for s in range(2, 14, 2):
+        t.log_metrics({"data_wait_frac": 0.6 if data_bound else 0.0, "step_time_s": 0.2,
+                       "train_loss": 1.0}, step + s)
+    assert t.flush(30)
+    return t
+
+
+def test_a_resumed_run_appends_to_its_events_and_drops_the_stale_error(digits_data, tmp_path, mlflow_store):
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    uri, storage = mlflow_store, str(tmp_path / "ray")
+    first = _open(cfg, uri, storage)
+    assert first["history"] == {} and first["data_wait_given"] is False
+    t1 = _submission(uri, first, 10, data_bound=True)
+    assert [n["kind"] for n in t1.snapshot()["notices"]] == ["data_wait"]
+    tracking.finish_run(uri, first["run_id"], ok=False, error="training failed: rank 1 died at step 10",
+                        status="FAILED")
+
+    second = _open(cfg, uri, storage)
+    assert second["resumed"] and second["run_id"] == first["run_id"]
+    run = tracking.run_info(uri, second["run_id"])
+    assert "elastic_ddp.error" not in run.data.tags and run.info.status == "RUNNING"
+    assert second["data_wait_given"] is True and DATA_WAIT_TAG in run.data.tags
+    # The previous end is an event of the run, written before its tag was removed.
+    kept = read_records(uri, second["run_id"])["events"]
+    assert [e["type"] for e in kept] == ["failure", "submission_end"]
+    assert kept[1]["status"] == "FAILED" and kept[1]["cause"] == "training failed: rank 1 died at step 10"
+
+    t2 = _submission(uri, second, 30, data_bound=True)
+    assert t2.snapshot()["notices"] == []          # the run had its data-wait warning
+    records = read_records(uri, second["run_id"])
+    assert [(e["type"], e.get("cause")) for e in records["events"]] == [
+        ("failure", "rank 1 died at step 10"), ("submission_end", "training failed: rank 1 died at step 10"),
+        ("failure", "rank 1 died at step 30")]
+    assert [a["enter"] for a in records["attempts"]] == [11.0, 31.0]
+    # The summary's events are this submission's (the recovery table appends per submission).
+    assert [e["cause"] for e in t2.snapshot()["events"]] == ["rank 1 died at step 30"]
+    tracking.finish_run(uri, second["run_id"], ok=True)
+    run = tracking.run_info(uri, second["run_id"])
+    assert run.info.status == "FINISHED" and "elastic_ddp.error" not in run.data.tags
+    assert json.loads(json.dumps(records["events"]))  # plain JSON
+
+
+def test_reading_the_records_draws_no_progress_bar(digits_data, tmp_path, mlflow_store, capfd):
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    opened = _open(cfg, mlflow_store, str(tmp_path / "ray"))
+    _submission(mlflow_store, opened, 10)
+    capfd.readouterr()
+    assert len(read_records(mlflow_store, opened["run_id"])["events"]) == 1
+    out, err = capfd.readouterr()
+    assert "Downloading artifacts" not in out + err, err
