@@ -245,6 +245,9 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=300, help="seconds of uninterrupted training")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per job, without the calibration (runs of two builds compared at "
+                         "the same work: PYTHONPATH picks the elastic_ddp package, the workers' too)")
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--ckpt-every", type=int, default=20)
     ap.add_argument("--modes", default="torchrun,restart,per_step")
@@ -254,11 +257,14 @@ def main() -> int:
     sig = getattr(signal, args.signal)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-    with tempfile.TemporaryDirectory(prefix="bench-recovery-cal-") as tmp:
-        cal = run_torchrun(Path(tmp), 40, 1000, 1e9, 0)
-    steps_per_s = 38 / max(1e-9, cal["wall_s"] - cal["cmd_to_first_step_s"])
-    steps = max(50, int(steps_per_s * args.duration))
-    print(f"calibration: {steps_per_s:.2f} steps/s under torchrun -> {steps} steps per job", flush=True)
+    if args.steps:
+        steps = args.steps
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-recovery-cal-") as tmp:
+            cal = run_torchrun(Path(tmp), 40, 1000, 1e9, 0)
+        steps_per_s = 38 / max(1e-9, cal["wall_s"] - cal["cmd_to_first_step_s"])
+        steps = max(50, int(steps_per_s * args.duration))
+        print(f"calibration: {steps_per_s:.2f} steps/s under torchrun -> {steps} steps per job", flush=True)
 
     rows = {}
     for mode in args.modes.split(","):
@@ -274,12 +280,12 @@ def main() -> int:
     print(f"\nbench_gpt, 2 workers, {steps} steps, a worker {args.signal}ed every {args.kill_every:.0f} s, "
           f"checkpoint every {args.ckpt_every} steps, load average {os.getloadavg()[0]:.1f}")
     print(f"{'mode':>9} {'cmd->1st s':>10} {'kills':>5} {'kill->1st s (median/max)':>24} "
-          f"{'longest gap s':>13} {'goodput':>8}  samples")
+          f"{'longest gap s':>13} {'goodput':>8} {'wall s':>7}  samples")
     for mode, r in rows.items():
         k = [v for v in r["kill_to_first_step_s"] if v == v]
         ks = f"{statistics.median(k):.1f} / {max(k):.1f}" if k else "-"
         print(f"{mode:>9} {r['cmd_to_first_step_s']:>10.1f} {r['kills']:>5} {ks:>24} "
-              f"{r['longest_gap_s']:>13.1f} {r['goodput']:>8.1%}  {r['samples']}")
+              f"{r['longest_gap_s']:>13.1f} {r['goodput']:>8.1%} {r['wall_s']:>7.0f}  {r['samples']}")
     for mode, r in rows.items():
         if r.get("restart_phases"):
             print(f"{mode} restart phases (median s): "
