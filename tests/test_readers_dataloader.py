@@ -143,13 +143,14 @@ class Where(Noisy):
 TW = {**T, "pid": np.zeros(0, np.int64)}
 
 
-def test_a_small_first_round_is_read_here_until_the_workers_run(tmp_path):
+def test_a_small_first_round_is_read_here_until_the_workers_run(tmp_path, monkeypatch):
     """In a process without DataLoader workers for the data set (a fresh worker after a
-    start or restart), a small first round is read in this process and the workers start
-    only after the first step: the first step waits for no forkserver. The later rounds
-    come from the workers, and the rows and their order are the reference's. A reader
-    opened once the workers exist (the next epoch's) takes every round from them; Ray
-    Data's reader always reads a small first round here."""
+    start or restart), a first round of at most one read chunk is read in this process
+    and the workers start only after the first step: the first step waits for no
+    forkserver. The later rounds come from the workers, and the rows and their order are
+    the reference's. A reader opened once the workers exist (the next epoch's) takes
+    every round from them; Ray Data's reader always reads a small first round here."""
+    from elastic_ddp.data import readers
     from elastic_ddp.data.workers import has_workers
 
     cfg = _cfg(_data(tmp_path), shuffle_window_rows=48, partitions=4)
@@ -157,6 +158,10 @@ def test_a_small_first_round_is_read_here_until_the_workers_run(tmp_path):
     task = Where()  # a task object no pool of this process serves yet
     kw = dict(template=TW, local_first_bytes=2**30)
     assert open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="ray_data", **kw)[1]._local_first
+    with monkeypatch.context() as m:  # a round larger than a read chunk: the workers split it
+        m.setattr(readers, "READ_TASK_BYTES", 1)
+        assert not open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="dataloader", **kw)[1]._local_first
+        assert open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="ray_data", **kw)[1]._local_first
     rd = open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="dataloader", **kw)[1]
     assert rd._local_first and len(rd._rounds) > 2
     first_round = sum(w.num_rows for w in rd._todo[:rd._rounds[0]])
