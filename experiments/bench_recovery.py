@@ -31,7 +31,9 @@ Printed per mode:
     ``events/timeline.json``, ``events/attempts.json``), median over the restarts, in
     :data:`RESTART_PHASES` order. ``proc_start`` is the new worker's process creation:
     a process the worker pool started before the group start gives a negative
-    ``actor_process_s``.
+    ``actor_process_s``. A mark a build does not record (``pg_imported`` is an older
+    build's, ``env_start`` and ``torch_imported`` a newer one's) leaves its phase out and
+    its time in the next phase.
 """
 
 from __future__ import annotations
@@ -120,8 +122,10 @@ def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, rest
 RESTART_PHASES = (
     ("detect_teardown_s", "worker_group_starting"),  # failure seen, old group stopped
     ("actor_process_s", "proc_start"),               # placement group, worker process created
-    ("worker_boot_s", "pg_start"),                   # Ray worker + RayTrainWorker up, master address
-    ("torch_import_s", "pg_imported"),               # first torch import in the process
+    ("worker_boot_s", "env_start"),                  # Ray worker + RayTrainWorker up, master address
+    ("torch_import_s", "torch_imported"),            # the worker's first torch import
+    ("pg_call_s", "pg_start"),                       # the process-group call arrives
+    ("pg_imported_s", "pg_imported"),                # builds that marked their torch import here
     ("pg_init_s", "pg_ready"),                       # init_process_group (gloo, TCP store)
     ("group_callbacks_s", "worker_group_started"),   # after_worker_group_start callbacks
     ("train_fn_launch_s", "enter"),
@@ -233,6 +237,7 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     rep_n = sum(e["repeated"] for e in rep["epochs"].values())
     lost_n = sum(e["lost"] for e in done)
     return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
+            "kill_t": [k["t"] for k in kills],
             "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
             # per_step: replica shares computed in a quorum that did not commit (redone).
             **({"longest_gap_any_s": max(any_gaps), "uncommitted_shares": rep["uncommitted_attempts"]}
