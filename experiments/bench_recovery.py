@@ -26,6 +26,12 @@ Printed per mode:
   * goodput: seconds in committed training steps / wall seconds (elastic-ddp's own figure;
     torchrun: the steps a later checkpoint covered, from its step log).
   * samples: the ledger audit (elastic-ddp), lost / repeated over the committed steps.
+  * restart CPU (restart mode): CPU seconds from each kill to the first step after it, of
+    this process and its local cluster's processes by kind (``cpu_windows.TreeCpu``:
+    the new workers, their data workers, the controller, Ray's own...), median over the
+    restarts: the work a restart costs, which other jobs on the machine stretch less
+    than its wall time; and the same over the ``AFTER_S`` seconds after that first step
+    (training, and whatever a build starts after the first step).
   * restart phases (restart mode): each restart's kill->1st step split at the
     controller's timeline marks and rank 0's start marks (MLflow artifacts
     ``events/timeline.json``, ``events/attempts.json``), median over the restarts, in
@@ -55,6 +61,7 @@ from elastic_ddp.run_state import Diagnostics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_faults, when loaded by path
 from cluster_faults import children, local_cluster, train_workers  # noqa: E402
+from cpu_windows import TreeCpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "experiments/configs/bench_gpt.yaml"
@@ -172,6 +179,15 @@ def restart_phases(uri: str, run_id: str, kills: list) -> dict:
     return {name: round(statistics.median(v), 2) for name, v in per.items() if v}
 
 
+#: Seconds after a restart's first step whose CPU is reported too (``after_cpu_s``): work
+#: a build defers past the first step (the data path's processes) is counted there.
+AFTER_S = 20.0
+
+
+def _median_cpu(cpu: TreeCpu, windows: list[tuple[float, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(v), 2) for k, v in cpu.by_kind(windows).items()}
+
+
 def _longest_gap(ts: list[float]) -> float:
     return max((b - a for a, b in zip(ts, ts[1:])), default=float("nan"))
 
@@ -197,11 +213,13 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     th = threading.Thread(target=_killer, args=(lambda: [w["pid"] for w in train_workers()], kill_every, stop,
                                                 kills, 0, sig), daemon=True)
     t0 = time.time()
+    cpu = TreeCpu(os.getpid())  # this process and the local cluster it started
     th.start()
     try:
         s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(tmp / "ledger")))
     finally:
         stop.set()
+        cpu.stop()
     wall = time.time() - t0
     lines = {}
     for f in (tmp / "ledger").glob("*.jsonl"):
@@ -243,7 +261,11 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
             **({"longest_gap_any_s": max(any_gaps), "uncommitted_shares": rep["uncommitted_attempts"]}
                if mode == "per_step" else {}),
             "startup": s.startup,
-            **({"restart_phases": restart_phases(s.tracking_uri, s.run_id, kills)} if mode == "restart" else {}),
+            **({"restart_phases": restart_phases(s.tracking_uri, s.run_id, kills),
+                "restart_cpu_s": _median_cpu(cpu, [(k["t"], k["t"] + b) for k, b in zip(kills, back) if b == b]),
+                "after_cpu_s": _median_cpu(cpu, [(k["t"] + b, k["t"] + b + AFTER_S)
+                                                 for k, b in zip(kills, back) if b == b])}
+               if mode == "restart" else {}),
             "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
 
@@ -295,6 +317,10 @@ def main() -> int:
         if r.get("restart_phases"):
             print(f"{mode} restart phases (median s): "
                   + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in r["restart_phases"].items()))
+        for key, span in (("restart_cpu_s", "kill to first step"), ("after_cpu_s", f"the {AFTER_S:.0f} s after it")):
+            if r.get(key):
+                print(f"{mode} restart CPU s ({span}, median over the restarts, this process and its "
+                      "cluster's): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r[key].items(), key=lambda kv: -kv[1])))
     if "torchrun" in rows and "restart" in rows:
         t, e = rows["torchrun"], rows["restart"]
         tk = statistics.median([v for v in t["kill_to_first_step_s"] if v == v] or [float("nan")])
