@@ -6,6 +6,10 @@ local multi-node Ray cluster.
     .venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4 --max-bytes 3000000
     .venv/bin/python experiments/bench_recovery.py --duration 300 --kill-every 60
     .venv/bin/python experiments/bench_recovery.py --modes per_step --signal SIGTERM
+    # two builds at the same work, each from its own tree (Ray's workers put the
+    # driver's working directory first on sys.path, before PYTHONPATH):
+    cd <tree> && PYTHONPATH=$PWD .venv/bin/python experiments/bench_recovery.py \
+        --modes restart --steps 600 --kill-every 30
 
 The job: ``experiments/configs/bench_gpt.yaml`` (2-layer GPT, global batch 32, 2 workers of
 one thread each), as many steps as the uninterrupted job runs in ``--duration`` seconds
@@ -194,7 +198,7 @@ def _longest_gap(ts: list[float]) -> float:
 
 # ------------------------------------------------------------------------- elastic-ddp
 def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: float,
-                sig: int = signal.SIGKILL) -> dict:
+                sig: int = signal.SIGKILL, overrides: tuple[str, ...] = ()) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.driver.launcher import train
@@ -208,7 +212,8 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
         "scaling.health_check_interval_s=0.2", "batch.policy=uneven",
         f"scaling.fault_tolerance={mode}", f"run.name=recovery-{mode}",
         f"run.storage_path={tmp / 'ray'}", f"run.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-        f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}"])
+        f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}",
+        *overrides])
     stop, kills = threading.Event(), []
     th = threading.Thread(target=_killer, args=(lambda: [w["pid"] for w in train_workers()], kill_every, stop,
                                                 kills, 0, sig), daemon=True)
@@ -278,6 +283,9 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--ckpt-every", type=int, default=20)
     ap.add_argument("--modes", default="torchrun,restart,per_step")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more config overrides of the elastic-ddp jobs (e.g. data.shuffle_window_rows=2048: "
+                         "more rounds per epoch)")
     ap.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"],
                     help="what a worker gets: a crash, or a preemption notice")
     args = ap.parse_args()
@@ -300,7 +308,7 @@ def main() -> int:
                 r = run_torchrun(Path(tmp), steps, args.ckpt_every, args.kill_every, 100, sig)
             else:
                 with local_cluster(2, 2, log_to_driver=False):
-                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every, sig)
+                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every, sig, tuple(args.set))
         rows[mode] = r
         print(mode, json.dumps(r), flush=True)
 
