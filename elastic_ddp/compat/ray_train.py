@@ -9,6 +9,7 @@ user) out of the run, and this module still imports.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 try:
@@ -238,6 +239,7 @@ def host_preemption_watcher(callbacks: list) -> int:
     return len(hits)
 
 
+@functools.lru_cache(maxsize=None)
 def _hosted_preemption_callback():
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
     from ray.train.v2._internal.execution.preemption import PreemptionWatcher
