@@ -6,6 +6,10 @@ local multi-node Ray cluster.
     .venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4 --max-bytes 3000000
     .venv/bin/python experiments/bench_recovery.py --duration 300 --kill-every 60
     .venv/bin/python experiments/bench_recovery.py --modes per_step --signal SIGTERM
+    # two builds at the same work, each from its own tree (Ray's workers put the
+    # driver's working directory first on sys.path, before PYTHONPATH):
+    cd <tree> && PYTHONPATH=$PWD .venv/bin/python experiments/bench_recovery.py \
+        --modes restart --steps 600 --kill-every 30
 
 The job: ``experiments/configs/bench_gpt.yaml`` (2-layer GPT, global batch 32, 2 workers of
 one thread each), as many steps as the uninterrupted job runs in ``--duration`` seconds
@@ -26,12 +30,20 @@ Printed per mode:
   * goodput: seconds in committed training steps / wall seconds (elastic-ddp's own figure;
     torchrun: the steps a later checkpoint covered, from its step log).
   * samples: the ledger audit (elastic-ddp), lost / repeated over the committed steps.
+  * restart CPU (restart mode): CPU seconds from each kill to the first step after it, of
+    this process and its local cluster's processes by kind (``cpu_windows.TreeCpu``:
+    the new workers, their data workers, the controller, Ray's own...), median over the
+    restarts: the work a restart costs, which other jobs on the machine stretch less
+    than its wall time; and the same over the ``AFTER_S`` seconds after that first step
+    (training, and whatever a build starts after the first step).
   * restart phases (restart mode): each restart's kill->1st step split at the
     controller's timeline marks and rank 0's start marks (MLflow artifacts
     ``events/timeline.json``, ``events/attempts.json``), median over the restarts, in
     :data:`RESTART_PHASES` order. ``proc_start`` is the new worker's process creation:
     a process the worker pool started before the group start gives a negative
-    ``actor_process_s``.
+    ``actor_process_s``. A mark a build does not record (``pg_imported`` is an older
+    build's, ``env_start`` and ``torch_imported`` a newer one's) leaves its phase out and
+    its time in the next phase.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ from elastic_ddp.run_state import Diagnostics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_faults, when loaded by path
 from cluster_faults import children, local_cluster, train_workers  # noqa: E402
+from cpu_windows import TreeCpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "experiments/configs/bench_gpt.yaml"
@@ -120,8 +133,10 @@ def run_torchrun(tmp: Path, steps: int, ckpt_every: int, kill_every: float, rest
 RESTART_PHASES = (
     ("detect_teardown_s", "worker_group_starting"),  # failure seen, old group stopped
     ("actor_process_s", "proc_start"),               # placement group, worker process created
-    ("worker_boot_s", "pg_start"),                   # Ray worker + RayTrainWorker up, master address
-    ("torch_import_s", "pg_imported"),               # first torch import in the process
+    ("worker_boot_s", "env_start"),                  # Ray worker + RayTrainWorker up, master address
+    ("torch_import_s", "torch_imported"),            # the worker's first torch import
+    ("pg_call_s", "pg_start"),                       # the process-group call arrives
+    ("pg_imported_s", "pg_imported"),                # builds that marked their torch import here
     ("pg_init_s", "pg_ready"),                       # init_process_group (gloo, TCP store)
     ("group_callbacks_s", "worker_group_started"),   # after_worker_group_start callbacks
     ("train_fn_launch_s", "enter"),
@@ -168,13 +183,22 @@ def restart_phases(uri: str, run_id: str, kills: list) -> dict:
     return {name: round(statistics.median(v), 2) for name, v in per.items() if v}
 
 
+#: Seconds after a restart's first step whose CPU is reported too (``after_cpu_s``): work
+#: a build defers past the first step (the data path's processes) is counted there.
+AFTER_S = 20.0
+
+
+def _median_cpu(cpu: TreeCpu, windows: list[tuple[float, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(v), 2) for k, v in cpu.by_kind(windows).items()}
+
+
 def _longest_gap(ts: list[float]) -> float:
     return max((b - a for a, b in zip(ts, ts[1:])), default=float("nan"))
 
 
 # ------------------------------------------------------------------------- elastic-ddp
 def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: float,
-                sig: int = signal.SIGKILL) -> dict:
+                sig: int = signal.SIGKILL, overrides: tuple[str, ...] = ()) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
     from elastic_ddp.driver.launcher import train
@@ -188,16 +212,19 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
         "scaling.health_check_interval_s=0.2", "batch.policy=uneven",
         f"scaling.fault_tolerance={mode}", f"run.name=recovery-{mode}",
         f"run.storage_path={tmp / 'ray'}", f"run.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
-        f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}"])
+        f"data.train_path={ROOT / 'data/pycode_bench/train'}", f"data.val_path={ROOT / 'data/pycode_bench/val'}",
+        *overrides])
     stop, kills = threading.Event(), []
     th = threading.Thread(target=_killer, args=(lambda: [w["pid"] for w in train_workers()], kill_every, stop,
                                                 kills, 0, sig), daemon=True)
     t0 = time.time()
+    cpu = TreeCpu(os.getpid())  # this process and the local cluster it started
     th.start()
     try:
         s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(tmp / "ledger")))
     finally:
         stop.set()
+        cpu.stop()
     wall = time.time() - t0
     lines = {}
     for f in (tmp / "ledger").glob("*.jsonl"):
@@ -233,32 +260,46 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
     rep_n = sum(e["repeated"] for e in rep["epochs"].values())
     lost_n = sum(e["lost"] for e in done)
     return {"cmd_to_first_step_s": first - t0, "kills": len(kills), "kill_to_first_step_s": back,
+            "kill_t": [k["t"] for k in kills],
             "longest_gap_s": max(gaps), "goodput": s.goodput, "wall_s": wall,
             # per_step: replica shares computed in a quorum that did not commit (redone).
             **({"longest_gap_any_s": max(any_gaps), "uncommitted_shares": rep["uncommitted_attempts"]}
                if mode == "per_step" else {}),
             "startup": s.startup,
-            **({"restart_phases": restart_phases(s.tracking_uri, s.run_id, kills)} if mode == "restart" else {}),
+            **({"restart_phases": restart_phases(s.tracking_uri, s.run_id, kills),
+                "restart_cpu_s": _median_cpu(cpu, [(k["t"], k["t"] + b) for k, b in zip(kills, back) if b == b]),
+                "after_cpu_s": _median_cpu(cpu, [(k["t"] + b, k["t"] + b + AFTER_S)
+                                                 for k, b in zip(kills, back) if b == b])}
+               if mode == "restart" else {}),
             "samples": f"{rep_n} repeated, {lost_n} lost in {len(done)} whole epochs"}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=300, help="seconds of uninterrupted training")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per job, without the calibration (runs of two builds compared at "
+                         "the same work: PYTHONPATH picks the elastic_ddp package, the workers' too)")
     ap.add_argument("--kill-every", type=float, default=60)
     ap.add_argument("--ckpt-every", type=int, default=20)
     ap.add_argument("--modes", default="torchrun,restart,per_step")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more config overrides of the elastic-ddp jobs (e.g. data.shuffle_window_rows=2048: "
+                         "more rounds per epoch)")
     ap.add_argument("--signal", default="SIGKILL", choices=["SIGKILL", "SIGTERM"],
                     help="what a worker gets: a crash, or a preemption notice")
     args = ap.parse_args()
     sig = getattr(signal, args.signal)
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-    with tempfile.TemporaryDirectory(prefix="bench-recovery-cal-") as tmp:
-        cal = run_torchrun(Path(tmp), 40, 1000, 1e9, 0)
-    steps_per_s = 38 / max(1e-9, cal["wall_s"] - cal["cmd_to_first_step_s"])
-    steps = max(50, int(steps_per_s * args.duration))
-    print(f"calibration: {steps_per_s:.2f} steps/s under torchrun -> {steps} steps per job", flush=True)
+    if args.steps:
+        steps = args.steps
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-recovery-cal-") as tmp:
+            cal = run_torchrun(Path(tmp), 40, 1000, 1e9, 0)
+        steps_per_s = 38 / max(1e-9, cal["wall_s"] - cal["cmd_to_first_step_s"])
+        steps = max(50, int(steps_per_s * args.duration))
+        print(f"calibration: {steps_per_s:.2f} steps/s under torchrun -> {steps} steps per job", flush=True)
 
     rows = {}
     for mode in args.modes.split(","):
@@ -267,23 +308,27 @@ def main() -> int:
                 r = run_torchrun(Path(tmp), steps, args.ckpt_every, args.kill_every, 100, sig)
             else:
                 with local_cluster(2, 2, log_to_driver=False):
-                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every, sig)
+                    r = run_elastic(Path(tmp), mode, steps, args.ckpt_every, args.kill_every, sig, tuple(args.set))
         rows[mode] = r
         print(mode, json.dumps(r), flush=True)
 
     print(f"\nbench_gpt, 2 workers, {steps} steps, a worker {args.signal}ed every {args.kill_every:.0f} s, "
           f"checkpoint every {args.ckpt_every} steps, load average {os.getloadavg()[0]:.1f}")
     print(f"{'mode':>9} {'cmd->1st s':>10} {'kills':>5} {'kill->1st s (median/max)':>24} "
-          f"{'longest gap s':>13} {'goodput':>8}  samples")
+          f"{'longest gap s':>13} {'goodput':>8} {'wall s':>7}  samples")
     for mode, r in rows.items():
         k = [v for v in r["kill_to_first_step_s"] if v == v]
         ks = f"{statistics.median(k):.1f} / {max(k):.1f}" if k else "-"
         print(f"{mode:>9} {r['cmd_to_first_step_s']:>10.1f} {r['kills']:>5} {ks:>24} "
-              f"{r['longest_gap_s']:>13.1f} {r['goodput']:>8.1%}  {r['samples']}")
+              f"{r['longest_gap_s']:>13.1f} {r['goodput']:>8.1%} {r['wall_s']:>7.0f}  {r['samples']}")
     for mode, r in rows.items():
         if r.get("restart_phases"):
             print(f"{mode} restart phases (median s): "
                   + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in r["restart_phases"].items()))
+        for key, span in (("restart_cpu_s", "kill to first step"), ("after_cpu_s", f"the {AFTER_S:.0f} s after it")):
+            if r.get(key):
+                print(f"{mode} restart CPU s ({span}, median over the restarts, this process and its "
+                      "cluster's): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r[key].items(), key=lambda kv: -kv[1])))
     if "torchrun" in rows and "restart" in rows:
         t, e = rows["torchrun"], rows["restart"]
         tk = statistics.median([v for v in t["kill_to_first_step_s"] if v == v] or [float("nan")])

@@ -31,15 +31,35 @@ class _ControllerProbe:
                        "runtime_env": dict(ray.get_runtime_context().runtime_env)}, f)
 
 
+TORCHRUN_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_TORCH_DEVICE")
+
+
 def _train_fn(config):
     import ray
     import ray.train
+    import torch.distributed as dist
+
+    import elastic_ddp.worker.entry  # noqa: F401 - what the job's train function imports
+    from elastic_ddp.compat.ray_backend import rank_device
 
     rank = ray.train.get_context().get_world_rank()
+    # Before anything here imports it: the process-group set-up and the job's train
+    # function's module did not.
+    ray_train_torch = "ray.train.torch" in sys.modules
+    ours = {k: os.environ.get(k) for k in TORCHRUN_VARS}
+    from ray.train.torch import get_device
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()  # Ray's own: sets the same values
     with open(os.path.join(config["out"], f"worker-{rank}.json"), "w") as f:
         json.dump({"interval": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"),
                    "warn": os.environ.get("RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S"),
-                   "runtime_env": dict(ray.get_runtime_context().runtime_env)}, f)
+                   "runtime_env": dict(ray.get_runtime_context().runtime_env),
+                   "ray_train_torch": ray_train_torch, "ours": ours,
+                   "rays": {k: os.environ.get(k) for k in TORCHRUN_VARS},
+                   "device": [str(rank_device()), str(get_device())],
+                   "pg": [dist.is_initialized() and dist.get_rank(), dist.is_initialized() and dist.get_world_size()],
+                   "rank": rank}, f)
 
 
 def _barrier_fn(config):
@@ -164,6 +184,19 @@ def test_the_controller_keeps_its_settings_and_nothing_starts_with_a_runtime_env
         # (A worker may still inherit the variable from its raylet's own environment,
         # e.g. a local Ray started by a process that had set it: never this value.)
         assert w["interval"] != "0.25" and not w["runtime_env"].get("env_vars"), w
+
+
+def test_the_workers_process_group_is_rays_without_importing_ray_train_torch(ray_cluster, tmp_path, monkeypatch):
+    """``compat.ray_backend`` on the workers: torchrun's variables and the device are those
+    Ray's own functions set, the process group spans the two ranks, and neither the set-up
+    nor the job's train function module imported ``ray.train.torch``."""
+    _, workers = _run(tmp_path, monkeypatch, {})
+    assert sorted(w["rank"] for w in workers) == [0, 1]
+    for w in workers:
+        assert w["ray_train_torch"] is False, w
+        assert w["ours"] == w["rays"] and w["ours"]["RANK"] == str(w["rank"]), w
+        assert w["ours"]["WORLD_SIZE"] == "2" and w["ours"]["ACCELERATE_TORCH_DEVICE"] == "cpu", w
+        assert w["device"] == ["cpu", "cpu"] and w["pg"] == [w["rank"], 2], w
 
 
 def test_a_users_own_ray_train_setting_still_reaches_the_workers(ray_cluster, tmp_path, monkeypatch):

@@ -128,9 +128,10 @@ def test_the_ray_train_controller_unpickles_its_arguments_without_torch(digits_d
     assert back.train.num_rows == train_info.num_rows and type(back.task) is type(task)
 
 
-def test_the_process_group_backend_calls_functions_ray_still_has():
-    # elastic_ddp.compat.ray_backend runs Ray's own worker-side set-up; a Ray upgrade that
-    # renames them must fail here, not in a job.
+def test_the_process_group_backend_mirrors_functions_ray_still_has():
+    # elastic_ddp.compat.ray_backend does on the workers what these Ray functions do (the
+    # variables and the device are compared with Ray's in tests/test_ray_trainer.py); a
+    # Ray upgrade that renames or re-signs them must fail here, for the mirror's review.
     import inspect
 
     from ray.train.torch import config as ray_torch

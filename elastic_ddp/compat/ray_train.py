@@ -9,6 +9,7 @@ user) out of the run, and this module still imports.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 try:
@@ -28,7 +29,7 @@ except ImportError:
         pass
 
 __all__ = ["ControllerCallback", "ReplicaGroupCallback", "WorkerGroupCallback", "actor_death_time",
-           "count_notices_as_preemptions", "local_preemption_info", "node_drain",
+           "count_notices_as_preemptions", "host_preemption_watcher", "local_preemption_info", "node_drain",
            "retry_worker_deaths_at_start", "run_in_main_thread", "shut_down_failed_starts",
            "take_preemption", "tell_workers", "user_error"]
 
@@ -210,6 +211,59 @@ def node_drain(node_id: str) -> Optional[dict]:
         return None
     deadline_ms = drained[node_id]  # 0: no deadline
     return {"deadline_t": deadline_ms / 1000.0 if deadline_ms else None}
+
+
+def host_preemption_watcher(callbacks: list) -> int:
+    """Replace Ray Train's ``PreemptionCallback`` in ``callbacks`` (a Ray Train
+    controller's worker-group callbacks, changed in place) by one that runs Ray's
+    ``PreemptionWatcher`` in this process, the controller's; returns how many it replaced
+    (0 on a Ray without the watcher).
+
+    Ray Train 2.60 starts the watcher as an actor at every worker-group start: a fresh
+    Python process that imports Ray and Ray Train (pandas among them) on the cluster's
+    cores while the new workers boot, restore and take their first step, and that is
+    killed at the group's end. Here the same watcher object (its poll thread: one GCS
+    call every ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``, and on a drain one
+    ``mark_preempt`` call per worker) lives in the controller's process, built per
+    group as Ray builds it and stopped at the same points (the group's shutdown and
+    abort, the next group's start). What it costs: the poll thread shares the
+    controller's process; building the watcher asks the GCS for the node table once
+    (Ray's TPU-slice map) on the controller's event loop."""
+    try:
+        from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+    except ImportError:
+        return 0
+    hits = [i for i, c in enumerate(callbacks) if type(c) is PreemptionCallback]
+    for i in hits:
+        callbacks[i] = _hosted_preemption_callback()()
+    return len(hits)
+
+
+@functools.lru_cache(maxsize=None)
+def _hosted_preemption_callback():
+    from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+    from ray.train.v2._internal.execution.preemption import PreemptionWatcher
+
+    class HostedPreemptionCallback(PreemptionCallback):
+        """Ray's ``PreemptionCallback`` (2.60) with its watcher in this process."""
+
+        def after_worker_group_start(self, worker_group) -> None:
+            self._stop_watcher()
+            node_to_ranks: dict = {}
+            by_rank: dict = {}
+            for w in worker_group.get_workers():
+                rank = w.distributed_context.world_rank
+                node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
+                by_rank[rank] = w.actor
+            self._watcher = PreemptionWatcher(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+                                              worker_actors_by_rank=by_rank)
+
+        def _stop_watcher(self) -> None:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher._stop_event.set()  # its poll thread ends within one poll interval
+
+    return HostedPreemptionCallback
 
 
 def run_in_main_thread(fn, *args):

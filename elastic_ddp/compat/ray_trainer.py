@@ -5,15 +5,17 @@ between the command and the first step, and after every restart.
 
 Every Ray actor is a fresh Python process that imports Ray; on the nodes where the
 workers start, each one takes CPU time from the workers' own start (imports, process
-group, model). Ray Train starts, per job, a controller, a placement-group cleaner and (from
-2.60) a preemption watcher, and per worker group, the workers, a synchronization actor
-and a dataset manager. Here:
+group, model). Ray Train starts, per job, a controller and a placement-group cleaner, and
+per worker group, the workers, a synchronization actor, a dataset manager and (from 2.60)
+a preemption watcher. Here:
 
 - no synchronization actor: the controller's process (:class:`ControllerHost`) serves
   each worker group's barrier, and on a running cluster it boots before ``fit``;
-- no dataset manager when no dataset is passed, and no placement-group cleaner
-  (:func:`trainer_class`); the preemption watcher runs only where a notice becomes a
+- no preemption watcher actor: the watcher runs in the controller's process
+  (``compat.ray_train.host_preemption_watcher``), and only where a notice becomes a
   checkpoint (``launcher.build_trainer``, ``worker.notice``);
+- no dataset manager when no dataset is passed, and no placement-group cleaner
+  (:func:`trainer_class`);
 - no runtime environment for the controller and the workers when the user sets none
   (:class:`EnvController`). Ray Train passes its ``RAY_TRAIN_*`` settings from the
   driver to the controller and on to every worker as a runtime environment's
@@ -51,8 +53,10 @@ def _controller_class():
     class EnvController(TrainController):
         """Ray Train's controller with its ``RAY_TRAIN_*`` settings handed over as an
         argument (set in this process before Ray's ``__init__`` reads them) instead of a
-        runtime environment, and its workers started without those settings, which they
-        never read (an empty propagation means no runtime environment for them)."""
+        runtime environment, its workers started without those settings, which they
+        never read (an empty propagation means no runtime environment for them), and
+        Ray's preemption watcher run in this process instead of an actor per worker
+        group (``compat.ray_train.host_preemption_watcher``)."""
 
         def __init__(self, controller_env: dict, **kwargs):
             os.environ.update(controller_env)
@@ -66,6 +70,9 @@ def _controller_class():
                 filtered._elastic_ddp = True
                 worker_group.get_env_vars_to_propagate = filtered
             super().__init__(**kwargs)
+            from elastic_ddp.compat.ray_train import host_preemption_watcher
+
+            host_preemption_watcher(self._worker_group_callbacks_to_propagate)
 
     EnvController.__name__ = EnvController.__qualname__ = "TrainController"
     return EnvController

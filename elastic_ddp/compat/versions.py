@@ -58,7 +58,8 @@ class Override:
 OVERRIDES: tuple[Override, ...] = (
     Override("controller_host", "controller host (compat.ray_trainer)",
              "the controller's process boots before the input checks on a running cluster and "
-             "serves each worker group's barrier (no SynchronizationActor process per start); "
+             "serves each worker group's barrier (no SynchronizationActor process per start) and "
+             "runs Ray 2.60's preemption watcher (no PreemptionWatcher process per start); "
              "the controller and the workers start without a runtime environment (no second "
              "import of Ray in setup_worker.py); Ctrl-C aborts the run (KILLED, exit 130)"),
     Override("default_callbacks", "default-callback trim (compat.ray_trainer)",

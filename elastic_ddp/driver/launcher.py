@@ -165,10 +165,10 @@ def build_trainer(cfg: Config, job, tracker):
     os.environ.setdefault("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "60")
     # A notice becomes a checkpoint (restart mode) or a replica leaving its quorum
     # (per_step mode), charged to the preemption budget (worker.notice). Ray Train's
-    # preemption watcher (one more actor process per worker-group start) tells restart
-    # mode's workers of a node drain, polling the GCS every second; Ray Train runs none
-    # for replica groups, whose replicas poll for their own node. Off where notices are
-    # handled as crashes.
+    # preemption watcher (a thread of the controller's process here; Ray's own: one more
+    # actor process per worker-group start) tells restart mode's workers of a node drain,
+    # polling the GCS every second; Ray Train runs none for replica groups, whose
+    # replicas poll for their own node. Off where notices are handled as crashes.
     preempt = preemption_supported(plan) and s.preemption_checkpoint
     if job is not None:  # the workers' JobSpec (None: a trainer built only to be inspected)
         job.preemption = preempt

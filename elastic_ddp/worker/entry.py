@@ -57,9 +57,9 @@ def train_func(loop_config: dict) -> None:
     checkpoint Ray Train hands over, train to the end."""
     t_enter = time.time()
     import ray.train
-    import ray.train.torch
     import torch
 
+    from elastic_ddp.compat.ray_backend import rank_device
     from elastic_ddp.notice import Preempted
     from elastic_ddp.positions import located
     from elastic_ddp.worker.trainer import Trainer
@@ -73,11 +73,7 @@ def train_func(loop_config: dict) -> None:
     torch.set_num_threads(scaling.torch_threads or max(1, int(scaling.cpus_per_worker)))
     trainer = None
     try:
-        # Ray Train's get_device() answers cuda:0 on a machine with CUDA even when the worker
-        # was given no GPU (scaling.use_gpu false, or auto on a cluster without GPUs): such a
-        # worker trains on the CPU, wherever it lands.
-        device = ray.train.torch.get_device() if ray.get_gpu_ids() else torch.device("cpu")
-        trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), device)
+        trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), rank_device())
         trainer._t_enter = t_enter
         marks["built"] = time.time()
         trainer.restore(ray.train.get_checkpoint())
