@@ -225,8 +225,8 @@ def test_a_job_whose_driver_was_killed_is_resumed_by_the_next_taking_its_lease(t
     a.send_signal(signal.SIGKILL)  # the driver: its lease and its RUNNING run stay behind
     a.communicate()
     assert (tmp_path / "ray_results" / ".leases" / "phoenix.json").exists()
-    # The rerun of the same run: the lease is taken over at once and the run resumed.
-    cfg = _job_config(tmp_path, digits_data, "phoenix", 8)
+    # The rerun of the same run, same config (a resume refuses a changed run length): the
+    # lease is taken over at once and the run resumed.
     b = _cli(cfg, tmp_path)
     out, err = b.communicate(timeout=400)
     assert b.returncode == 0, err[-3000:]
