@@ -46,3 +46,14 @@ def test_the_non_finite_error_names_the_rows(tmp_path):
     err = e.value.__cause__ if not isinstance(e.value, NonFiniteError) else e.value
     assert isinstance(err, NonFiniteError), repr(e.value)
     assert "sample_id 5" in str(err) and "train.max_nonfinite_steps" in str(err), str(err)
+
+
+def test_the_summary_lists_the_world_sizes_in_order_and_its_skipped_steps():
+    from elastic_ddp.driver.report import Summary, format_summary
+
+    s = Summary(run_id="r", tracking_uri="sqlite:///x.db", experiment_id="1", metrics={"val_loss": 1.0},
+                steps=10, epochs=1, wall_s=5.0, world_sizes_seen=[2, 1, 2], restarts=2, goodput=0.5,
+                skipped_steps=1)
+    out = format_summary(s)
+    assert "world sizes seen: 2 -> 1 -> 2   restarts: 2" in out, out
+    assert "skipped steps:    1 (non-finite gradient)" in out, out
