@@ -393,6 +393,24 @@ def test_cli_plan_prints_world_sizes(tmp_path, capsys):
     assert rows[5][1:4] == ["64", "12-13", "1"]
 
 
+def test_cli_plan_fits_the_partitions_to_the_data_as_train_does(tmp_path, capsys):
+    """One row group of 40 rows: the job gets fewer partitions than the default, so plan
+    must show the world sizes of the count train will use, not of the default."""
+    from elastic_ddp.data.ingest import epoch_partitions
+    from elastic_ddp.data.scan import scan_parquet
+
+    _digits_like(tmp_path / "data" / "train" / "part-0.parquet", range(40))
+    raw = _cfg(tmp_path, {"batch": {"global_batch_size": 8, "micro_batch_size": 8},
+                          "scaling": {"min_workers": 1, "max_workers": 4}})
+    cfg = Config.from_dict(raw)
+    fitted = epoch_partitions(scan_parquet(cfg.data.train_path, {}, "sample_id"), cfg)
+    assert cfg.data.partitions is None and fitted < cfg.partitions, (fitted, cfg.partitions)
+    rc, out, _ = _run_cli(capsys, "plan", str(_write_yaml(tmp_path / "c.yaml", raw)))
+    assert rc == 0, out
+    assert f"{fitted} partitions fitted to" in out and "40 rows" in out, out
+    assert f"windowed with {fitted} canonical partitions" in out, out
+
+
 def test_cli_subprocess_exit_code(tmp_path):
     """The installed console script, as a user runs it: exit 2 and the field on stderr."""
     exe = Path(sys.executable).with_name("elastic-ddp")

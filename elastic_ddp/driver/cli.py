@@ -297,16 +297,36 @@ def _submit(args) -> int:
         return 1
 
 
+def _fitted_partitions(cfg):
+    """(rows, partitions) the job would use for ``data.train_path`` with ``data.partitions``
+    unset (``data.ingest.epoch_partitions``), from the Parquet footers and the id column
+    alone (no task is loaded); None when the data cannot be read here (a path on the
+    cluster only, a bad file: ``train`` names the problem)."""
+    from elastic_ddp.data.ingest import epoch_partitions
+    from elastic_ddp.data.scan import DataError, scan_parquet
+
+    try:
+        info = scan_parquet(cfg.data.train_path, {}, cfg.data.id_column, field="data.train_path")
+    except (DataError, OSError, ValueError):
+        return None
+    return info.num_rows, epoch_partitions(info, cfg)
+
+
 def _plan(cfg) -> int:
     from elastic_ddp.batching import valid_world_sizes
 
     b, s, p = cfg.batch, cfg.scaling, cfg.partitions
     print(f"global_batch_size={b.global_batch_size} micro_batch_size<={b.micro_batch_size} "
           f"policy={b.policy} workers {s.min_workers}..{s.max_workers}")
+    fitted = _fitted_partitions(cfg) if p > 1 and cfg.data.partitions is None else None
+    if fitted is not None:
+        rows, p = fitted
+        print(f"data.partitions unset: {p} partitions fitted to {cfg.data.train_path} "
+              f"({rows} rows; its row groups and data.shuffle_window_rows)")
     if p > 1:
         print(f"data.order=windowed with {p} canonical partitions: the sample order is the same at "
               "every world size <= partitions; a rank reads only its own partitions")
-        if cfg.data.partitions is None:
+        if cfg.data.partitions is None and fitted is None:
             print("  (data.partitions unset: a data set with fewer than 10 row groups per "
                   "partition, or row groups larger than a window (shuffle_window_rows / "
                   "partitions rows), gets fewer, a divisor of this count; the world sizes "

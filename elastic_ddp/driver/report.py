@@ -179,7 +179,8 @@ def format_summary(s: Summary) -> str:
              f"steps / epochs:   {s.steps} / {s.epochs_done:.2f}",
              f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training-step "
              "time / wall time)",
-             f"world sizes:      {s.world_sizes_seen}   restarts: {s.restarts}"]
+             f"world sizes seen: {' -> '.join(map(str, s.world_sizes_seen)) or '-'}"
+             f"   restarts: {s.restarts}"]
     if s.skipped_steps:
         lines.append(f"skipped steps:    {s.skipped_steps} (non-finite gradient)")
     if s.startup:

@@ -4,6 +4,7 @@ gradient sync), and the BatchNorm buffers a dropped step restores."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -118,8 +119,11 @@ def forward_backward(t, batch: dict, rows: list[int], rank: int, n: int, probe: 
             w.token_task = True
         # .item() is a device sync; free on CPU, one per micro-step on GPU.
         if mb.count:
-            sums.append((float(loss_vec.detach().float().sum()),
-                         {k: float(v.detach().float().sum()) for k, v in extra.items()}, mb.count))
+            loss_sum = float(loss_vec.detach().float().sum())
+            if not math.isfinite(loss_sum):  # rare: the rows to name in the skip's message
+                t.nonfinite_ids.extend(nonfinite_rows(loss_vec, part[t.job.train.id_column]))
+            sums.append((loss_sum, {k: float(v.detach().float().sum()) for k, v in extra.items()},
+                         mb.count))
         else:
             # An empty share still names the task's metrics: every rank must send the
             # same keys to the window's all-reduce (metrics.StepWindow.reduce).
@@ -128,6 +132,13 @@ def forward_backward(t, batch: dict, rows: list[int], rank: int, n: int, probe: 
     if w.grad_bytes is None:
         w.grad_bytes = gradient_bytes(s.model.parameters())
     return sums, bn_saved
+
+
+def nonfinite_rows(loss_vec: torch.Tensor, ids) -> list:
+    """The ids (``ids``: the micro-batch's id column, [B]) of the rows whose per-sample
+    loss (``loss_vec``, [B]) is NaN or infinite, in row order."""
+    bad = (~torch.isfinite(loss_vec.detach().float())).cpu().numpy()
+    return [i.item() if hasattr(i, "item") else i for i in np.asarray(ids)[bad]]
 
 
 class _ShardSum:

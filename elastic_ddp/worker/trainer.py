@@ -83,6 +83,7 @@ class Trainer:
         self.position = Position(rank, cfg.run.name, node=_ray_node_id())
         self.window = StepWindow()
         self._nonfinite_run = 0
+        self.nonfinite_ids: list = []  # this step's rows with a non-finite loss (micro_steps)
         self.loader = RankLoader(job, cfg, self.plan, world_size)
         self._eval_names: Optional[list[str]] = None
         # The checkpoint's config.json: the config as JSON, for a person or a tool to read.
@@ -272,6 +273,7 @@ class Trainer:
         try:
             if self.fault is not None:
                 self.fault.at_step(p.step + 1)
+            self.nonfinite_ids = []
             sums, bn_saved = forward_backward(self, batch, rows, rank, n, probe)
             if self.ledger.enabled:  # Diagnostics.ledger_dir: tests and experiments
                 self.ledger.record(p.epoch, p.step + 1, ids, **self.ft.ledger_extra())
@@ -320,8 +322,9 @@ class Trainer:
         self.counters.skipped_steps += 1
         self.counters.skipped_samples += n
         self._nonfinite_run += 1
+        rows = self.describe_nonfinite_rows()
         self.log(f"step {self.progress.step + 1}: non-finite gradient, step skipped on every rank "
-                 f"({self._nonfinite_run} in a row)")
+                 f"({self._nonfinite_run} in a row); {rows}")
         if self.roles.lead:
             self.tracker.log_metrics({"skipped_steps": self.counters.skipped_steps,
                                       "skipped_samples": self.counters.skipped_samples},
@@ -329,8 +332,19 @@ class Trainer:
         if self._nonfinite_run >= self.cfg.train.max_nonfinite_steps:
             raise NonFiniteError(
                 f"{self._nonfinite_run} consecutive steps had a non-finite loss or gradient (up to "
-                f"step {self.progress.step + 1}): look for NaN/inf in the data (nulls inside list "
-                "columns read as NaN) or lower optim.lr; train.max_nonfinite_steps sets the limit")
+                f"step {self.progress.step + 1}; {rows}): look for NaN/inf in the data (nulls "
+                "inside list columns read as NaN) or lower optim.lr; train.max_nonfinite_steps sets "
+                "the limit")
+
+    def describe_nonfinite_rows(self) -> str:
+        """Which of this rank's rows of the step had a non-finite per-sample loss, by the id
+        column (at most 8 named), or that none had: the gradient itself overflowed."""
+        ids, col = self.nonfinite_ids, self.job.train.id_column
+        if not ids:
+            return f"rank {self.rank}'s rows all had a finite loss"
+        more = f" and {len(ids) - 8} more" if len(ids) > 8 else ""
+        return (f"rank {self.rank}'s rows with a non-finite loss: {col} "
+                f"{', '.join(map(str, ids[:8]))}{more}")
 
     def to_device(self, tensors: dict) -> dict:
         """A collated batch's tensors on this rank's device, floating ones in the model's
