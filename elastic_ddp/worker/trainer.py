@@ -323,8 +323,12 @@ class Trainer:
         self.counters.skipped_samples += n
         self._nonfinite_run += 1
         rows = self.describe_nonfinite_rows()
-        self.log(f"step {self.progress.step + 1}: non-finite gradient, step skipped on every rank "
-                 f"({self._nonfinite_run} in a row); {rows}")
+        line = (f"step {self.progress.step + 1}: non-finite gradient, step skipped on every rank "
+                f"({self._nonfinite_run} in a row); {rows}")
+        if self.nonfinite_ids and not self.roles.lead:  # the rank that holds the rows says so
+            sys.stdout.write(f"[rank {self.rank}/{self.world_size}] {line}\n")
+            sys.stdout.flush()
+        self.log(line)
         if self.roles.lead:
             self.tracker.log_metrics({"skipped_steps": self.counters.skipped_steps,
                                       "skipped_samples": self.counters.skipped_samples},
