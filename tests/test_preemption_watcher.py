@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import add_node, wait_until
+from helpers import local_cluster, wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -26,24 +26,11 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster()
-    try:
-        add_node(c, num_cpus=0, include_dashboard=False)  # the head: the controller's node
-        add_node(c, num_cpus=2)
-        c.wait_for_nodes()
-    except BaseException:
-        c.shutdown()
-        raise
-    ray.init(address=c.address, logging_level="WARNING")
-    try:
+    with local_cluster(1, 2, head_cpus=0) as c:  # the head: the controller's node
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def _wait_for_notice(config):
