@@ -87,6 +87,27 @@ def test_the_same_workers_serve_every_epoch_and_stream(tmp_path):
     assert len(pids) == 2 and os.getpid() not in pids  # two workers, kept across epochs
 
 
+def test_reading_leaves_the_trainers_global_torch_generator_alone(tmp_path):
+    # The trainer seeds torch's global generator before each micro-step's dropout, and
+    # the read-ahead thread starts the DataLoader's iterations while steps run: a draw
+    # from that generator there would change a step's dropout masks (world sizes 1 and 2
+    # then train apart).
+    import torch
+
+    info, w0 = _windows(_data(tmp_path), 0)
+    _, w1 = _windows(tmp_path, 1)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    for epoch, windows in ((0, w0), (1, w1)):  # two iterations of the same workers
+        rounds = _rounds(len(windows), 2)
+        s = WindowStream(info, Pids(), windows, rounds, 0, epoch, "train")
+        a = 0
+        for b in rounds:
+            s.round(a, b)
+            a = b
+        assert torch.equal(torch.get_rng_state(), state), f"epoch {epoch}: the read drew from it"
+
+
 def test_a_dropped_stream_holds_nothing_up(tmp_path):
     info, windows = _windows(_data(tmp_path), 0)
     task = Pids()

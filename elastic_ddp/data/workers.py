@@ -285,10 +285,18 @@ class DataWorkers:
 
         if self._loader is None:
             # Each worker ends with this process, a SIGKILL included (data.lifetime).
+            # A generator of its own: every iteration draws the workers' base seed from
+            # it, by default from torch's global generator, which the trainer seeds before
+            # each micro-step's dropout. An iteration started by the read-ahead thread
+            # during a step would change that step's dropout masks. The workers' seeds
+            # serve no transform (a task's randomness is keyed by sample id).
+            import torch
+
             self._loader = DataLoader(
                 self._jobs, batch_size=None, sampler=_Sampler(self), num_workers=self.workers,
                 collate_fn=_as_is, prefetch_factor=PREFETCH_PER_WORKER,
                 persistent_workers=True, multiprocessing_context=self._ctx,
+                generator=torch.Generator().manual_seed(0),
                 worker_init_fn=functools.partial(watch_trainer, os.getpid()))
         return self._loader
 
