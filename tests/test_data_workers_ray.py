@@ -36,8 +36,9 @@ def test_a_killed_trainer_leaves_no_forkserver_or_data_workers(ray_cluster, digi
     task_file = tmp_path / "slow_task.py"
     task_file.write_text(textwrap.dedent(SLOW_TASK))
     raw = digits_config(digits_data, tmp_path, {
-        # Windows of 128 rows: several rounds per epoch, the DataLoader workers busy
-        # for most of it.
+        # Windows of 128 rows: several rounds per epoch, so each attempt's DataLoader
+        # workers start after its first step (the first round is read in the trainer's
+        # process).
         "data": {"reader": "dataloader", "shuffle_window_rows": 128}, "run": {"name": "forkserver-kill"},
         "train": {"epochs": 1, "checkpoint_every_steps": 5}, "scaling": {"max_failures": 1}})
     raw["task"]["path"] = f"{task_file}:SlowDigits"

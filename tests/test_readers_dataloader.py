@@ -143,25 +143,45 @@ class Where(Noisy):
 TW = {**T, "pid": np.zeros(0, np.int64)}
 
 
-def test_only_ray_datas_reader_reads_a_small_first_round_here(tmp_path):
-    """Ray Data's reader reads a small first round in this process; the DataLoader
-    reader takes every round from its workers (a first round read here broke the bitwise
-    equality of world sizes 1 and 2 in tests/test_exact_world_sizes.py), and its rows
-    and their order are the reference's."""
+def test_a_small_first_round_is_read_here_until_the_workers_run(tmp_path, monkeypatch):
+    """In a process without DataLoader workers for the data set (a fresh worker after a
+    start or restart), a first round of at most one read chunk is read in this process
+    and the workers start only after the first step: the first step waits for no
+    forkserver. The later rounds come from the workers, and the rows and their order are
+    the reference's. A reader opened once the workers exist (the next epoch's) takes
+    every round from them; Ray Data's reader always reads a small first round here."""
+    from elastic_ddp.data import readers
+    from elastic_ddp.data.workers import has_workers
+
     cfg = _cfg(_data(tmp_path), shuffle_window_rows=48, partitions=4)
     info = scan_parquet(tmp_path, Noisy.columns)
-    task = Where()
+    task = Where()  # a task object no pool of this process serves yet
     kw = dict(template=TW, local_first_bytes=2**30)
     assert open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="ray_data", **kw)[1]._local_first
+    with monkeypatch.context() as m:  # a round larger than a read chunk: the workers split it
+        m.setattr(readers, "READ_TASK_BYTES", 1)
+        assert not open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="dataloader", **kw)[1]._local_first
+        assert open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="ray_data", **kw)[1]._local_first
     rd = open_train_reader(info, task, cfg, 0, 1, 1, 0, G, reader="dataloader", **kw)[1]
-    assert not rd._local_first
-    got = [rd.take(c, min(G, N - c)) for c in range(0, N, G)]
-    assert not (np.concatenate([b["pid"] for b in got]) == os.getpid()).any()
-    _same([[{k: v for k, v in b.items() if k != "pid"}] for b in got], _steps(info, cfg, "local", 1, 0))
+    assert rd._local_first and len(rd._rounds) > 2
+    first_round = sum(w.num_rows for w in rd._todo[:rd._rounds[0]])
+    got = [rd.take(0, G)]
+    assert not has_workers(info, task)  # the first step started no worker
+    got += [rd.take(c, min(G, N - c)) for c in range(G, N, G)]
+    assert has_workers(info, task)
+    pids = np.concatenate([b["pid"] for b in got])
+    here = {i for i, b in enumerate(got) if (b["pid"] == os.getpid()).all()}
+    assert (pids == os.getpid()).sum() == first_round and 0 in here and len(here) < len(got)
+    ref = _steps(info, cfg, "local", 1, 0)
+    _same([[{k: v for k, v in b.items() if k != "pid"}] for b in got], ref)
+    again = open_train_reader(info, task, cfg, 0, 1, 2, 0, G, reader="dataloader", **kw)[1]
+    assert not again._local_first
+    assert not (again.take(0, G)["pid"] == os.getpid()).any()
 
 
-def test_a_worker_error_reaches_the_step(tmp_path):
-    """A transform that fails only in the DataLoader workers raises the transform's own
+def test_a_worker_error_after_an_in_process_first_round_reaches_the_step(tmp_path):
+    """A transform that fails only in the DataLoader workers: the first round, read in
+    this process, trains; the first round the workers read raises the transform's own
     error at the step that needs it (its type kept, the worker's traceback as a note),
     and no step waits for ever."""
     cfg = _cfg(_data(tmp_path), shuffle_window_rows=48, partitions=4)
@@ -173,7 +193,7 @@ def test_a_worker_error_reaches_the_step(tmp_path):
         while c < N:
             rd.take(c, min(G, N - c))
             c += G
-    assert c < N
+    assert G <= c < N  # the in-process round's steps trained
     assert any("in a DataLoader worker" in n for n in getattr(e.value, "__notes__", []))
 
 

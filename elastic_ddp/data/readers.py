@@ -23,11 +23,11 @@ from typing import Optional
 import numpy as np
 
 from elastic_ddp.background import Background
-from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, ReadSlots, concat_rows, epoch_order,
+from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, READ_TASK_BYTES, ReadSlots, concat_rows, epoch_order,
                                      pipeline, take_rows, window_bytes)
 from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
 from elastic_ddp.data.scan import DatasetInfo
-from elastic_ddp.data.workers import WindowStream, dataloader_batches
+from elastic_ddp.data.workers import WindowStream, dataloader_batches, has_workers
 from elastic_ddp.tasks.protocol import Task
 from elastic_ddp.tasks.transform import SEQ
 
@@ -45,10 +45,16 @@ class WindowedReader:
     on. What it costs: one generation of the lost partitions' windows read and
     transformed by the trainer's process, without Ray Data's parallelism.
 
-    ``local_first_bytes``: with ``reader="ray_data"``, the first round is also read in
-    this process when its row groups hold at most this many Parquet bytes
-    (``LOCAL_FIRST_ROUND_BYTES`` from the trainer; 0: never), unless ``prefetch`` starts
-    it in the background.
+    ``local_first_bytes``: the first round is also read in this process when its row
+    groups hold at most this many Parquet bytes (``LOCAL_FIRST_ROUND_BYTES`` from the
+    trainer; 0: never), unless ``prefetch`` starts it in the background: always with
+    ``reader="ray_data"``, and with ``"dataloader"`` while this process has no DataLoader
+    workers for the data set and task (:func:`~elastic_ddp.data.workers.has_workers`:
+    a fresh worker process after a start or restart) and the round holds at most
+    ``READ_TASK_BYTES`` (one read chunk: larger rounds are split between the workers,
+    which then outpace this one thread). Either pool's start (Ray Data's read-task
+    workers; a forkserver importing torch, then the DataLoader workers) then runs after
+    the first step instead of before it.
 
     ``reader``: ``"ray_data"`` (each round one Ray Data pipeline) or ``"dataloader"``
     (the rounds taken in turn from one :class:`WindowStream` over the windows from the
@@ -85,14 +91,15 @@ class WindowedReader:
         self.bytes_read = window_bytes(info, self._todo)
         self._source = (info, task, order.seed, order.epoch, local, read_ahead_bytes)
         self._slots = slots
-        # A small first round is read here only for Ray Data (whose first execution in a
-        # fresh process starts its workers); the DataLoader reader's rounds all come from
-        # its workers. A DataLoader first round read here broke the bitwise equality of
-        # world sizes 1 and 2 (tests/test_exact_world_sizes.py, windowed order): until
-        # the cause is found, the workers read every round.
+        # A small first round is read here when the data path's workers are not running
+        # yet: Ray Data's first execution in a fresh process starts its workers, and the
+        # DataLoader reader's first run starts a forkserver (which imports torch and the
+        # task) and its workers, seconds of CPU on the cores the restart's first step
+        # needs. Once this process's DataLoader workers exist they serve every round.
+        cap = local_first_bytes if reader == "ray_data" else min(local_first_bytes, READ_TASK_BYTES)
         self._local_first = held is not None or (
-            reader == "ray_data" and bool(todo)
-            and window_bytes(info, self._todo[:self._rounds[0]]) <= local_first_bytes)
+            bool(todo) and (reader == "ray_data" or not has_workers(info, task, slots.tasks))
+            and window_bytes(info, self._todo[:self._rounds[0]]) <= cap)
         self._reader = reader
         self._stream: Optional[tuple[int, WindowStream]] = None  # (first window, stream)
         # Windows are read a round at a time, the next round in a background thread while

@@ -331,6 +331,13 @@ def data_workers(info: DatasetInfo, task: Task, workers: int = READ_TASKS) -> Da
         return pool
 
 
+def has_workers(info: DatasetInfo, task: Task, workers: int = READ_TASKS) -> bool:
+    """Whether this process has a pool for ``info`` and ``task`` that :func:`data_workers`
+    would hand out (started by an earlier run, its workers up or starting)."""
+    with _POOLS_LOCK:
+        return any(p.serves(info, task) and p.workers == max(1, workers) for p in _POOLS)
+
+
 class WindowStream:
     """``windows`` read and transformed by this process's :class:`DataWorkers` (one run),
     in order, cut at ``rounds`` (ascending window indices ending at ``len(windows)``) into
