@@ -194,6 +194,16 @@ def local_preemption_info() -> Optional[dict]:
             "nodes": list(info.preempted_node_ids), "ranks": list(info.preempted_ranks)}
 
 
+def draining_nodes() -> set:
+    """The ids (hex) of the nodes Ray Core is draining now (the GCS call of
+    :func:`node_drain`).
+
+    Raises: what the GCS call raises."""
+    import ray._private.state as state
+
+    return set(state.state.get_draining_nodes() or {})
+
+
 def node_drain(node_id: str) -> Optional[dict]:
     """Whether Ray Core is draining node ``node_id`` (hex): ``{"deadline_t": s or
     None}``, or None (not draining, or the GCS did not answer).

@@ -73,9 +73,136 @@ def _controller_class():
             from elastic_ddp.compat.ray_train import host_preemption_watcher
 
             host_preemption_watcher(self._worker_group_callbacks_to_propagate)
+            from elastic_ddp.compat.versions import ray_plan
+
+            # Replica groups (per_step mode) whose replacement waits for capacity.
+            self._capacity_wait = ray_plan().applies("replica_group_capacity")
+            self._waiting: set[int] = set()
+            self._filtered_poll = None
+
+        # ---- per_step: a replica group that has no capacity waits without the controller
+        # Ray Train replaces a failed replica group in its placement-group bundle and
+        # waits (``ray.get``, no timeout) until the replacement actor starts. A bundle
+        # whose node was removed or is draining is placed again only when a node with
+        # room joins, and until then the controller's loop is blocked: a second replica
+        # that dies meanwhile is not replaced on its own, live node, and the job cannot
+        # even end when the survivors finish. Here such a group waits outside the loop.
+
+        def _execute_resize_decision(self, decision):
+            wg = self._worker_group
+            if not (self._capacity_wait and self._manages_replica_groups and wg):
+                return super()._execute_resize_decision(decision)
+            poll = self._filtered_poll or wg.get_latest_poll_status()
+            failing = (poll.failing_replica_group_indices if poll else set()) | self._waiting
+            every = poll.all_replica_group_indices if poll else set()
+            if not failing or decision.num_workers != len(wg.get_workers()):
+                return super()._execute_resize_decision(decision)
+            waiting = replica_groups_without_capacity(wg, failing)
+            if waiting == failing and failing == every:
+                # Nothing left to train or to start: Ray Train's full restart (bounded by
+                # its worker-group start timeout).
+                self._waiting.clear()
+                return super()._execute_resize_decision(decision)
+            failure = self._run_controller_hook("before_controller_execute_resize_decision", decision)
+            if failure:
+                return failure
+            for i in waiting - self._waiting:
+                set_aside_replica_group(wg, i)
+            self._waiting = waiting
+            if waiting:
+                # A survivor may wait in a barrier of the worker group (Ray Train resets
+                # it in every replacement, which for these comes later).
+                ray_get(wg.get_worker_group_state().sync_actor.reset.remote())
+            for i in sorted(failing - waiting):
+                wg.replace_replica_group(i)
+            return _iteration_result(self, next_state="running")
+
+        async def _poll_workers(self):
+            status = await super()._poll_workers()
+            self._filtered_poll = None
+            if not self._waiting:
+                return status
+            wg = self._worker_group
+            ready = self._waiting - replica_groups_without_capacity(wg, self._waiting)
+            for i in sorted(ready):
+                wg.replace_replica_group(i)
+            hidden, self._waiting = set(self._waiting), self._waiting - ready
+            self._filtered_poll = without_replica_groups(status, hidden, started=ready)
+            return self._filtered_poll
 
     EnvController.__name__ = EnvController.__qualname__ = "TrainController"
     return EnvController
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
+def _iteration_result(controller, next_state: str):
+    """Ray Train's loop-iteration result moving ``controller`` to its running state."""
+    from ray.train.v2._internal.execution.controller.controller import TrainControllerLoopIterationResult
+    from ray.train.v2._internal.execution.controller.state import RunningState
+
+    assert next_state == "running"
+    return TrainControllerLoopIterationResult(
+        run_attempt_id=controller._get_run_attempt_id(), previous_state=controller.get_state(),
+        next_state=RunningState())
+
+
+def set_aside_replica_group(worker_group, index: int) -> None:
+    """Shut down the failed replica group ``index`` of ``worker_group`` until its
+    replacement can start, as Ray Train's replacement first does: a later replacement of
+    another group talks to every active group's workers, and this one's are dead. Its
+    workers stay in the worker group (polled, their errors hidden) until replaced."""
+    group = worker_group._replica_groups[index]
+    for w in group.get_workers():
+        if w.distributed_context is not None:
+            worker_group._world_rank_to_ongoing_poll.pop(w.distributed_context.world_rank, None)
+    if group.is_active():
+        group.shutdown()
+
+
+def replica_groups_without_capacity(worker_group, indices: set) -> set:
+    """Of the replica groups ``indices`` of ``worker_group``, those a replacement could not
+    start for now: a placement-group bundle of theirs is on no live node, or on a node
+    being drained (its node was removed and Ray has found no room for the bundle yet, or
+    it soon will be). Three GCS calls.
+
+    Raises: nothing; with the GCS not answering, every group counts as placeable (the
+    replacement then waits as Ray Train's does)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        usable = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        from elastic_ddp.compat.ray_train import draining_nodes
+
+        usable -= draining_nodes()
+        groups = worker_group._replica_groups
+    except Exception:  # noqa: BLE001 - see Raises
+        return set()
+    return {i for i in indices
+            if any(where.get(w.placement_group_bundle_index) not in usable for w in groups[i].get_workers())}
+
+
+def without_replica_groups(status, hidden: set, started: set):
+    """``status`` (a ``WorkerGroupPollStatus``) with the workers of the replica groups
+    ``hidden`` shown healthy: running when in ``started`` (their replacement started
+    after the poll), else not running (waiting for capacity: the job may end without
+    them). Their failure was handled when it was first seen."""
+    import dataclasses
+
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
+
+    groups = status.worker_rank_to_replica_group_rank or {}
+    statuses = {rank: (WorkerStatus(running=groups.get(rank) in started)
+                       if groups.get(rank) in hidden else s)
+                for rank, s in status.worker_statuses.items()}
+    return dataclasses.replace(status, worker_statuses=statuses)
 
 
 # Called through the controller's actor handle: by the driver (fit, and the abort on

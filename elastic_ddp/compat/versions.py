@@ -72,6 +72,12 @@ OVERRIDES: tuple[Override, ...] = (
              "same failure twice, the controller's start-up marks, and a worker death while "
              "its group starts retried rather than fatal, with that group's placement group "
              "and other workers shut down"),
+    Override("replica_group_capacity", "replica-group capacity wait (compat.ray_trainer)",
+             "in per_step mode a replica whose node is gone waits for room outside the "
+             "controller's loop: a replica that dies meanwhile is replaced on its own live "
+             "node at once, and the job ends when the survivors finish (Ray Train blocks on "
+             "the lost node's replacement until a node joins)",
+             tested=("2.60.0",)),
 )
 
 
@@ -104,6 +110,10 @@ class RayPlan:
         """One line naming what is skipped, or None when every override runs."""
         if not self.skipped:
             return None
+        if self.version in TESTED_RAY:  # a part whose Ray Train code is newer than the release
+            return (f"elastic-ddp: warning: on Ray {self.version}, running Ray Train as shipped, "
+                    "without: " + "; ".join(f"{o.name} (tested on Ray {', '.join(o.tested)})"
+                                            for o in self.skipped))
         tested = sorted({v for o in self.skipped for v in o.tested}, key=release_key)
         stock = "stock Ray Train" if not self.applied else "Ray Train as shipped for these parts"
         return (f"elastic-ddp: warning: Ray {self.version} is not a release elastic-ddp was tested "
