@@ -5,10 +5,15 @@ exists; a sweep too, before its parent run. The CLI runs as a user runs it."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -77,10 +82,15 @@ def test_a_local_store_is_not_refused_by_the_check(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_listening_server_passes(tmp_path):
+def test_a_listening_server_passes(tmp_path, monkeypatch):
+    """A server that takes the connection but does not answer the HTTP request in time
+    is left to MLflow (a cold server may be slow); the probe waits no longer than the
+    connection does."""
     from elastic_ddp.config import ConfigError
+    from elastic_ddp.driver import preflight
     from elastic_ddp.driver.preflight import check_tracking_store
 
+    monkeypatch.setattr(preflight, "STORE_CONNECT_TIMEOUT_S", 0.5)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -151,3 +161,127 @@ def test_a_sqlite_store_in_a_missing_directory_is_refused_and_not_created(tmp_pa
                     f"create the directory first (mkdir -p {missing}), or point run.tracking_uri "
                     "at a directory you can write"), line
     assert not (tmp_path / "no").exists() and not (tmp_path / "ray_results").exists()
+
+
+@contextlib.contextmanager
+def _http_server(directory: Path, handler=None):
+    """A real ``python -m http.server`` (serving ``directory``) on a loopback port, in a
+    thread; yields its base URL."""
+    import functools
+
+    handler = handler or functools.partial(http.server.SimpleHTTPRequestHandler,
+                                           directory=str(directory))
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("where", ["config", "env"])
+def test_an_http_server_that_is_not_mlflow_exits_2_naming_the_field_and_status(tmp_path, digits_data,
+                                                                                 where):
+    """A plain ``python -m http.server`` at the tracking URI: it answers (404, an HTML
+    page), so the connection check passes; MLflow's client would fail on its first
+    request, after the scan, with a traceback. One config-error line, exit 2, before
+    Ray, the MLflow run or the lease."""
+    site = tmp_path / "site"
+    site.mkdir()
+    raw = digits_config(digits_data, tmp_path)
+    with _http_server(site) as uri:
+        env = {}
+        if where == "config":
+            raw["run"]["tracking_uri"], field = uri, "run.tracking_uri"
+        else:
+            raw["run"]["tracking_uri"], field = None, "MLFLOW_TRACKING_URI"
+            env["MLFLOW_TRACKING_URI"] = uri
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        p = _cli(["train", str(path), "--no-progress"], env, tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    (line,) = p.stderr.strip().splitlines()
+    port = uri.rsplit(":", 1)[1]
+    assert line.startswith(
+        f"elastic-ddp: config error: {field}={uri}: the server at 127.0.0.1:{port} is not an "
+        f"MLflow tracking server (GET {uri}/api/2.0/mlflow/experiments/get-by-name answered "
+        "HTTP 404, text/html, not MLflow's JSON); point "
+        f"{field} at an MLflow tracking server (mlflow server --host 127.0.0.1 --port {port}"), line
+    assert "sqlite: URI" in line and "Traceback" not in p.stderr
+    assert not (tmp_path / "ray_results").exists() and not (tmp_path / "mlflow.db").exists()
+    assert "elastic-ddp: run" not in p.stdout
+
+
+def test_a_web_page_answering_200_is_refused(tmp_path):
+    """A server answering every path with 200 and an HTML page (a web app's catch-all, a
+    login page behind a redirect) is not MLflow either."""
+    from elastic_ddp.config import ConfigError
+    from elastic_ddp.driver.preflight import check_tracking_store
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>Welcome</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with _http_server(tmp_path, Page) as uri:
+        with pytest.raises(ConfigError, match=r"run.tracking_uri=http://127.0.0.1:\d+/app: the server "
+                                              r".* answered HTTP 200, text/html, not MLflow's JSON"):
+            check_tracking_store(uri + "/app")
+
+
+def test_a_server_that_cannot_be_judged_passes(tmp_path):
+    """401/403 (the probe sends no credentials) and 5xx (a proxy whose MLflow is down:
+    MLflow's own retries say so) are left to MLflow."""
+    from elastic_ddp.driver.preflight import check_tracking_store
+
+    codes = iter([401, 403, 503])
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(next(codes))
+
+        def log_message(self, *args):
+            pass
+
+    with _http_server(tmp_path, Status) as uri:
+        for _ in range(3):
+            check_tracking_store(uri)
+
+
+def test_a_real_mlflow_server_passes(tmp_path, _made_store):
+    """``mlflow server`` on a loopback port, with and without a trailing slash."""
+    import shutil
+
+    from elastic_ddp.driver.preflight import check_tracking_store
+
+    shutil.copyfile(_made_store, tmp_path / "m.db")
+    port = _closed_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/m.db",
+                             "--default-artifact-root", str(tmp_path / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(0.3)
+        check_tracking_store(uri)
+        check_tracking_store(uri + "/")
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)

@@ -1,6 +1,6 @@
 """What the driver checks before Ray or MLflow starts (every input error surfaces here,
 exit 2): the task and its dry run, both splits' footers, storage, ``RAY_ADDRESS``, the
-tracking store's address."""
+tracking store's address (and that an HTTP one is an MLflow server)."""
 
 from __future__ import annotations
 
@@ -134,13 +134,14 @@ def check_tracking_store(uri: str, field: str = "run.tracking_uri") -> None:
     tracking server nothing answers at, before Ray starts: MLflow's client would retry
     each request for minutes (and the job's own retries on top of that) before failing
     with a traceback. One TCP connection, at most :data:`STORE_CONNECT_TIMEOUT_S`
-    seconds; a local store (``sqlite:``, ``file:``, a path) gets no connection.
+    seconds, then for ``http(s)://`` one request (:func:`check_mlflow_answers`); a local
+    store (``sqlite:``, ``file:``, a path) gets no connection.
     ``field``: where the URI came from, for the message.
 
     Raises:
         ConfigError: see :func:`check_tracking_uri`; ``http(s)://``, ``postgresql://``,
             ``mysql://`` or ``mssql://`` host:port refuses or does not answer a TCP
-            connection in time.
+            connection in time; an ``http(s)://`` server answers, but not as MLflow.
     """
     import socket
     from urllib.parse import urlsplit
@@ -167,6 +168,65 @@ def check_tracking_store(uri: str, field: str = "run.tracking_uri") -> None:
             f"({why} within {STORE_CONNECT_TIMEOUT_S:.0f} s); start it (mlflow server --host "
             f"{host} --port {port}), point {field} at a running one, or leave run.tracking_uri "
             "and MLFLOW_TRACKING_URI unset for a local sqlite store (mlflow.db)") from None
+    if scheme in ("http", "https"):
+        check_mlflow_answers(uri, field, host, port)
+
+
+# A request of the kind MLflow's client makes first (an experiment looked up by name),
+# relative to the tracking URI; a real server answers it with JSON: the experiment, or
+# an MLflow error (RESOURCE_DOES_NOT_EXIST).
+_PROBE_PATH = "/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
+# Answers that do not tell a non-MLflow server apart: authentication (the probe sends no
+# credentials), rate limits, a proxy's or the server's own failure (MLflow retries those).
+_PROBE_INCONCLUSIVE = (401, 403, 407, 429)
+
+
+def check_mlflow_answers(uri: str, field: str, host: str, port: int) -> None:
+    """Refuse an HTTP server that answers but is not MLflow's (a web page, a static file
+    server, a wrong path prefix): MLflow's client would fail on its first request after
+    the data scan, with a traceback. One GET of MLflow's experiment look-up, at most
+    :data:`STORE_CONNECT_TIMEOUT_S` seconds; an answer that is MLflow's JSON (the
+    experiment, or an ``error_code``) passes, and so does anything the probe cannot
+    judge: no answer in time, a TLS failure, 401/403/407/429, a 5xx.
+
+    Raises:
+        ConfigError: naming ``field``, the URI, the HTTP status and content type that
+            answered, and the fix.
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    from elastic_ddp.config import ConfigError
+
+    url = uri.rstrip("/") + _PROBE_PATH
+    req = urllib.request.Request(url, headers={"Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=STORE_CONNECT_TIMEOUT_S) as r:
+            status, ctype, body = r.status, r.headers.get_content_type(), r.read(1 << 16)
+    except urllib.error.HTTPError as e:
+        status, ctype = e.code, e.headers.get_content_type() if e.headers else None
+        try:
+            body = e.read(1 << 16)
+        except OSError:
+            body = b""
+    except (OSError, ValueError):  # no answer in time, TLS, a dropped connection
+        return
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and ("error_code" in answer or "experiment" in answer):
+        return
+    if status in _PROBE_INCONCLUSIVE or status >= 500:
+        return
+    raise ConfigError(
+        f"{field}={uri}: the server at {host}:{port} is not an MLflow tracking server (GET "
+        f"{url.split('?', 1)[0]} answered HTTP {status}, {ctype or 'no content type'}, not "
+        f"MLflow's JSON); point {field} at an MLflow tracking server (mlflow server --host "
+        f"{host} --port {port}, with its path prefix if it has one) or at a local store (a "
+        "directory, file: or sqlite: URI), or leave run.tracking_uri and MLFLOW_TRACKING_URI "
+        "unset for a local sqlite store (mlflow.db)")
 
 
 def tracking_uri_field(cfg: Config) -> str:
