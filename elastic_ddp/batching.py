@@ -192,6 +192,59 @@ def fit_partitions(partitions: int, max_workers: int, row_groups: int, rows: int
     return max(fit) if fit else min(cands)
 
 
+def divisible_ranges(unit: int, min_workers: int, max_workers: int) -> list[tuple[int, int]]:
+    """The longest runs ``a..b`` of consecutive world sizes in [min, max] that all divide
+    ``unit``, longest first (then smallest): the narrower worker ranges that keep it."""
+    runs, start = [], None
+    for ws in range(min_workers, max_workers + 2):
+        if ws <= max_workers and unit % ws == 0:
+            start = ws if start is None else start
+        elif start is not None:
+            runs.append((start, ws - 1))
+            start = None
+    return sorted(runs, key=lambda r: (r[0] - r[1], r[0]))
+
+
+def nearest_divisible(unit: int, min_workers: int, max_workers: int, low: float,
+                      high: float) -> list[int]:
+    """The values nearest ``unit``, one below and one above, that every world size in
+    [min, max] divides (multiples of their lcm), kept only within [low, high]."""
+    lcm = math.lcm(*range(min_workers, max_workers + 1))
+    below = unit // lcm * lcm
+    return [m for m in (below, below + lcm) if m >= lcm and low <= m <= high]
+
+
+def _divisibility_fixes(unit: int, what: str, min_workers: int, max_workers: int) -> str:
+    """The fixes for a ``fixed_global`` ``what`` (the global batch, or ``data.partitions``)
+    that some world size in [min, max] does not divide: the nearest values every world
+    size divides, where they are near (a batch within a factor 2 of this one; partitions
+    up to twice this count or the default); the narrower worker ranges that this value
+    divides over; ``batch.policy=uneven``, which needs neither."""
+    if what == "data.partitions":
+        near = nearest_divisible(unit, min_workers, max_workers, max_workers,
+                                 max(2 * unit, default_partitions(max_workers)))
+    else:
+        near = nearest_divisible(unit, min_workers, max_workers, unit / 2, 2 * unit)
+
+    def alternatives(items: list[str]) -> str:
+        return " or ".join(items) if len(items) < 3 else ", ".join(items[:-1]) + " or " + items[-1]
+
+    fixes = []
+    if near:
+        fixes.append(f"set {what} to {alternatives([str(m) for m in near])} (the nearest "
+                     f"value{'s' if len(near) > 1 else ''} divisible by every world size in "
+                     f"{min_workers}..{max_workers})")
+    runs = divisible_ranges(unit, min_workers, max_workers)[:3]
+    if runs:
+        fixes.append("narrow scaling.min_workers..max_workers to "
+                     f"{alternatives([f'{a}..{b}' for a, b in runs])} (world sizes that divide "
+                     f"{unit})")
+    fixes.append("set batch.policy=uneven (ranks own unequal numbers of partitions)"
+                 if what == "data.partitions" else
+                 "set batch.policy=uneven (ranks differ by at most one row)")
+    return ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
+
+
 def check_batch_config(
     global_batch_size: int,
     micro_batch_size: int,
@@ -209,7 +262,9 @@ def check_batch_config(
 
     Raises:
         BatchConfigError: names ``batch.global_batch_size``, ``data.partitions`` or
-            ``scaling.*`` and the fix.
+            ``scaling.*`` and the fix: the nearest values that work for the whole worker
+            range when they are near, the narrower ranges that work with the value as it
+            is, ``batch.policy=uneven``.
     """
     if policy == "scale_lr" and global_batch_size % min_workers:
         raise BatchConfigError(
@@ -224,23 +279,26 @@ def check_batch_config(
             f"batch or lower max_workers"
         )
     if partitions > 1 and max_workers > partitions:
+        fix = (_divisibility_fixes(partitions, "data.partitions", min_workers, max_workers)
+               if policy == "fixed_global" else
+               f"raise data.partitions to at least {max_workers} (or leave it unset: its default "
+               f"here is {default_partitions(max_workers)})" + (
+                   f", or lower scaling.max_workers to {partitions}"
+                   if min_workers <= partitions else ""))
         raise BatchConfigError(
             f"scaling.max_workers={max_workers} exceeds data.partitions={partitions}: a rank "
-            f"would own no partition of the data; raise data.partitions to a multiple of "
-            f"lcm({min_workers}..{max_workers}) or lower max_workers"
+            f"would own no partition of the data; {fix}"
         )
     if policy == "fixed_global":
         unit, what = (partitions, "data.partitions") if partitions > 1 else \
             (global_batch_size, "batch.global_batch_size")
         bad = [ws for ws in range(min_workers, max_workers + 1) if unit % ws]
         if bad:
-            lcm = math.lcm(*range(min_workers, max_workers + 1))
-            suggestion = math.ceil(unit / lcm) * lcm
             raise BatchConfigError(
                 f"{what}={unit} does not divide over world "
                 f"size(s) {bad} allowed by scaling.min_workers..max_workers="
-                f"{min_workers}..{max_workers}; set {what} to a multiple of {lcm} (e.g. {suggestion}), "
-                f"narrow the worker range, or set batch.policy=uneven"
+                f"{min_workers}..{max_workers}; "
+                f"{_divisibility_fixes(unit, what, min_workers, max_workers)}"
             )
 
 

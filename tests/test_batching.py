@@ -187,6 +187,55 @@ def test_fixed_global_refuses_indivisible_world_size():
     assert sorted(refused) == [3, 5, 6]
 
 
+
+def test_every_fix_a_divisibility_refusal_names_is_accepted():
+    """Each value and each narrower worker range the fixed_global refusal suggests passes
+    the same check (batch under permutation, partitions under windowed), no suggested
+    value is more than 2x (batch) away, and every refusal offers batch.policy=uneven."""
+    import re
+
+    for lo in range(1, 9):
+        for hi in range(lo, 9):
+            for unit in range(hi, 200):
+                for partitions, what in ((1, "batch.global_batch_size"), (unit, "data.partitions")):
+                    if partitions > 1 and unit < 2:
+                        continue
+                    g = unit if partitions == 1 else 64 * hi
+                    try:
+                        check_batch_config(g, 32, lo, hi, "fixed_global", partitions)
+                        continue
+                    except BatchConfigError as e:
+                        msg = str(e)
+                    assert f"{what}={unit} does not divide" in msg, msg
+                    assert msg.endswith(")") and "set batch.policy=uneven" in msg, msg
+                    values = re.search(rf"set {re.escape(what)} to ([\d ,or]+) \(", msg)
+                    for v in map(int, re.findall(r"\d+", values.group(1)) if values else []):
+                        check_batch_config(v if partitions == 1 else g, 32, lo, hi, "fixed_global",
+                                           v if partitions > 1 else 1)
+                        assert partitions > 1 or unit / 2 <= v <= 2 * unit, msg
+                    ranges = re.search(r"max_workers to ([\d., or]+) \(", msg)
+                    for a, b in re.findall(r"(\d+)\.\.(\d+)", ranges.group(1) if ranges else ""):
+                        assert lo <= int(a) <= int(b) <= hi, msg
+                        check_batch_config(g, 32, int(a), int(b), "fixed_global", partitions)
+                    assert values or ranges or not any(unit % ws == 0 for ws in range(lo, hi + 1)), msg
+
+
+def test_a_divisibility_refusal_suggests_no_far_value():
+    """1..7 workers and a batch of 64: the values all of 1..7 divide are multiples of 420,
+    6.6x the batch; the refusal names the narrower ranges 64 divides over instead."""
+    with pytest.raises(BatchConfigError) as e:
+        check_batch_config(64, 32, 1, 7, "fixed_global")
+    assert str(e.value) == (
+        "batch.global_batch_size=64 does not divide over world size(s) [3, 5, 6, 7] allowed by "
+        "scaling.min_workers..max_workers=1..7; narrow scaling.min_workers..max_workers to 1..2 "
+        "or 4..4 (world sizes that divide 64), or set batch.policy=uneven (ranks differ by at "
+        "most one row)")
+    with pytest.raises(BatchConfigError) as e:
+        check_batch_config(4096, 32, 1, 8, "fixed_global")  # 3360 and 4200 are near 4096
+    assert ("set batch.global_batch_size to 3360 or 4200 (the nearest values divisible by every "
+            "world size in 1..8), narrow scaling.min_workers..max_workers to 1..2, 4..4 or 8..8 "
+            "(world sizes that divide 4096)") in str(e.value)
+
 # ----------------------------------------------------- loss weights: exact mean gradient
 def _grads_by_ranks(model, x, y, rows, plan) -> list[torch.Tensor]:
     """Each "rank"'s accumulated gradient for one step of ``rows`` rows, as the worker

@@ -104,21 +104,49 @@ def test_no_task_or_two_tasks_refused(tmp_path):
         Config.from_dict(raw)
 
 
-def test_fixed_global_indivisible_batch_suggests_multiple(tmp_path):
+def test_fixed_global_indivisible_batch_suggests_the_nearest_values(tmp_path):
     # permutation order: ranks split each step by position, so the global batch must
-    # divide over every world size. 64 does not divide over 3 (nor 5, 6); lcm(2..6) = 60
-    # -> suggest 120.
+    # divide over every world size. 64 does not divide over 3 (nor 5, 6); the values
+    # 2..6 all divide are multiples of lcm(2..6) = 60: 60 and 120 are the nearest.
     perm = {"data": {"order": "permutation"}, "scaling": {"min_workers": 2, "max_workers": 6}}
     with pytest.raises(ConfigError) as e:
         Config.from_dict(_cfg(tmp_path, perm))
     msg = str(e.value)
-    assert "batch.global_batch_size" in msg
-    assert "[3, 5, 6]" in msg
-    assert "set batch.global_batch_size to a multiple of 60 (e.g. 120)" in msg, msg
+    assert "batch.global_batch_size=64 does not divide over world size(s) [3, 5, 6]" in msg, msg
+    assert ("set batch.global_batch_size to 60 or 120 (the nearest values divisible by every "
+            "world size in 2..6)") in msg, msg
+    assert "narrow scaling.min_workers..max_workers to 2..2 or 4..4" in msg, msg
     assert "batch.policy=uneven" in msg
-    # The suggestion really is valid, and so is the same batch under policy uneven.
-    Config.from_dict(_cfg(tmp_path, {**perm, "batch": {"global_batch_size": 120}}))
-    Config.from_dict(_cfg(tmp_path, {**perm, "batch": {"policy": "uneven"}}))
+    # The suggestions really are valid, and so is the same batch under policy uneven.
+    for fix in ({"batch": {"global_batch_size": 60}}, {"batch": {"global_batch_size": 120}},
+                {"batch": {"policy": "uneven"}}):
+        Config.from_dict(_cfg(tmp_path, {**perm, **fix}))
+    Config.from_dict(_cfg(tmp_path, {**perm, "scaling": {"min_workers": 4, "max_workers": 4}}))
+
+
+def test_a_wide_worker_range_is_told_the_narrower_ranges_not_a_huge_multiple(tmp_path):
+    """1..7 workers: every value all of 1..7 divide is a multiple of 420, no fix for a
+    batch of 64 (nor for the default 60 partitions); the message names the ranges that
+    work with the value as it is instead, and the file."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg(tmp_path, {"scaling": {"min_workers": 1, "max_workers": 7}})))
+    with pytest.raises(ConfigError) as e:
+        Config.load(path, ["data.order=permutation"])
+    msg = str(e.value)
+    assert msg.startswith(f"{path} with --set data.order=permutation: "), msg
+    assert ("batch.global_batch_size=64 does not divide over world size(s) [3, 5, 6, 7] allowed "
+            "by scaling.min_workers..max_workers=1..7; narrow scaling.min_workers..max_workers "
+            "to 1..2 or 4..4 (world sizes that divide 64), or set batch.policy=uneven") in msg, msg
+    assert "420" not in msg
+    with pytest.raises(ConfigError) as e:
+        Config.load(path)  # windowed: the default 60 partitions do not divide over 7
+    msg = str(e.value)
+    assert ("data.partitions=60 does not divide over world size(s) [7] allowed by "
+            "scaling.min_workers..max_workers=1..7; narrow scaling.min_workers..max_workers to "
+            "1..6 (world sizes that divide 60), or set batch.policy=uneven") in msg, msg
+    assert "420" not in msg
+    Config.load(path, ["scaling.max_workers=6"])
+    Config.load(path, ["data.order=permutation", "scaling.max_workers=2"])
 
 
 def test_fixed_global_windowed_needs_world_sizes_dividing_partitions(tmp_path):
@@ -131,9 +159,12 @@ def test_fixed_global_windowed_needs_world_sizes_dividing_partitions(tmp_path):
         Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 8}}))
     msg = str(e.value)
     assert "data.partitions=8" in msg and "[3, 5, 6]" in msg, msg
-    assert "set data.partitions to a multiple of 60 (e.g. 60)" in msg, msg
+    assert "set data.partitions to 60 (the nearest value divisible by every world size" in msg, msg
     Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 8}, "batch": {"policy": "uneven"}}))
-    with pytest.raises(ConfigError, match=r"scaling\.max_workers=6 exceeds data\.partitions=4"):
+    with pytest.raises(ConfigError, match=r"scaling\.max_workers=6 exceeds data\.partitions=4: .*; "
+                                          r"raise data\.partitions to at least 6 \(or leave it "
+                                          r"unset: its default here is 60\), or lower "
+                                          r"scaling\.max_workers to 4$"):
         Config.from_dict(_cfg(tmp_path, {**ws, "data": {"partitions": 4},
                                          "batch": {"policy": "uneven"}}))
 
