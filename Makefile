@@ -45,7 +45,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile
 
-test-all: $(STAMP)
+# The slow tier adds the `ui` extra (playwright's driver: tests/test_ui_screenshots.py).
+UI_STAMP := $(VENV)/.installed-ui
+$(UI_STAMP): $(STAMP)
+	@$(PY) -m pip install -qq -e ".[ui]"
+	@touch $(UI_STAMP)
+
+test-all: $(UI_STAMP)
 	$(PY) -m pytest -q
 
 clean:

@@ -230,6 +230,21 @@ def _requirements(extra=None) -> list[str]:
     return out
 
 
+def test_playwright_is_only_in_the_ui_extra():
+    """The MLflow UI screenshots' driver is the ``ui`` extra's alone: not ``ft`` (what a
+    GPU cluster installs for torchft), and not ``dev`` (no test of the default suite
+    drives a browser; ``make test-all`` installs ``ui`` for the slow one)."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    holding = sorted(name for name, reqs in extras.items()
+                     if any(re.match(r"playwright\b", r) for r in reqs))
+    assert holding == ["ui"], holding
+    assert extras["ft"] == ["torchft==0.2.0"]
+    assert re.search(r'test-all: \$\(UI_STAMP\)', (REPO / "Makefile").read_text())
+    assert 'pip install -qq -e ".[ui]"' in (REPO / "Makefile").read_text()
+
+
 def test_every_runtime_dependency_is_imported_and_sklearn_is_an_extra():
     sources = "\n".join(p.read_text() for p in (REPO / "elastic_ddp").rglob("*.py"))
     unused = [dist for dist in _requirements()

@@ -5,8 +5,9 @@ tracker writer (``tracking.JobTracker``, in-process, raw trainer metric names), 
 (experiments/mlflow_screenshots.py). The charts tab lists the train/ and val/ sections
 first, and the four run pages render to PNGs.
 
-Skipped only when no Chromium is installed (``apt-get install chromium``; playwright's
-own browser download is not used): playwright itself is in the dev extra."""
+Skipped when no Chromium is installed (``apt-get install chromium``; playwright's own
+browser download is not used) or without playwright, the Python driver (the ``ui``
+extra, which ``make test-all`` installs)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def _finished_run(tmp: Path) -> tuple[str, str]:
 # slow: 30 s of a real browser; the run's content is checked in test_tracking/test_train_e2e.
 @pytest.mark.slow
 def test_run_pages_show_loss_and_accuracy_first(tmp_path):
+    pytest.importorskip("playwright.sync_api", reason="no playwright: pip install -e '.[ui]'")
     uri, run_id = _finished_run(tmp_path)
     out = tmp_path / "shots"
     paths = shots.capture(tmp_path / "mlflow.db", out, run_id, settle_s=1.5)
