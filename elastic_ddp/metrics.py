@@ -240,7 +240,8 @@ class StepWindow:
     backward did not hide), optimizer_s, allreduce_s (one whole un-overlapped all-reduce,
     probe windows only; plus _min), peak_mem_mib (RSS high-water mark on CPU,
     max_memory_allocated on GPU); train_loss and train_<name> for each per-sample metric
-    the task's loss returns (means over the window's rows); and samples_per_s
+    the task's loss returns (means over the rows of the window's applied steps; left out
+    when every step of the window was skipped); and samples_per_s
     (tokens_per_s for sequence tasks) over the
     slowest rank's step time, data_wait_frac, grad_bytes, allreduce_bytes_per_step
     (ring: 2(N-1)/N x grad bytes per rank), allreduce_busbw_GBps (ring bytes over the
@@ -324,12 +325,13 @@ class StepWindow:
             stats, _ = reduce_mean_max(per_rank, ws, device)
             sums = self.quorum_sums
         names = [k[2:] for k in sums if k.startswith("m_")]
-        count = max(1.0, sums["count"])
+        count = sums["count"]
         step_s_max = stats["step_time_s_max"] * n
         out = {k: v for k, v in stats.items() if not k.endswith("_min")}
+        if count > 0:  # a window of skipped steps only (non-finite gradient) has no rows
+            out.update({"train_loss": sums["loss_sum"] / count,
+                        **{f"train_{k}": sums[f"m_{k}"] / count for k in names}})
         out.update({
-            "train_loss": sums["loss_sum"] / count,
-            **{f"train_{k}": sums[f"m_{k}"] / count for k in names},
             "lr": self.lr,
             # The slowest rank sets the pace of a synchronous step.
             "samples_per_s": throughput(self.samples, step_s_max),

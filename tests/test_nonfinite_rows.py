@@ -57,3 +57,21 @@ def test_the_summary_lists_the_world_sizes_in_order_and_its_skipped_steps():
     out = format_summary(s)
     assert "world sizes seen: 2 -> 1 -> 2   restarts: 2" in out, out
     assert "skipped steps:    1 (non-finite gradient)" in out, out
+
+
+def test_a_log_window_of_skipped_steps_only_logs_no_train_loss(tmp_path):
+    """A window whose every step was skipped has no applied rows: it logs no train loss
+    (a 0.0 would be a loss the model never had); a window of applied steps logs one."""
+    from elastic_ddp.metrics import StepWindow
+
+    t = _trainer(tmp_path, 21, {"train": {"max_nonfinite_steps": 3}})
+    seen = []
+    for _ in range(t.n_train // 16):
+        t.window = StepWindow()
+        before = t.counters.skipped_steps
+        t.train_step()
+        seen.append((t.counters.skipped_steps > before, t.window.reduce(1, torch.device("cpu"))))
+    assert [skipped for skipped, _ in seen].count(True) == 1
+    for skipped, m in seen:
+        assert ("train_loss" in m) is not skipped and ("train_acc" in m) is not skipped, m
+        assert "lr" in m and "samples_per_s" in m

@@ -374,8 +374,9 @@ class Trainer:
         # epoch 1-based, as every line a person reads counts it (progress, logs, summary).
         m.update(step=p.step, epoch=p.epoch + 1, world_size=self.world_size)
         self.tracker.log_metrics(m, p.step)
-        self.log(f"epoch {p.epoch + 1} step {p.step}/{self.run.total_steps} loss "
-                 f"{m['train_loss']:.4f} lr {m['lr']:.2e} {m['samples_per_s']:.0f} samples/s")
+        loss = f"{m['train_loss']:.4f}" if "train_loss" in m else "- (steps skipped)"
+        self.log(f"epoch {p.epoch + 1} step {p.step}/{self.run.total_steps} loss {loss} "
+                 f"lr {m['lr']:.2e} {m['samples_per_s']:.0f} samples/s")
 
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over the whole val split (``evaluation.evaluate``), shared
