@@ -72,7 +72,8 @@ def _cli(tmp: Path, raw: dict, capsys, *extra) -> tuple[int, str, str]:
 
 
 # ----------------------------------- odd paths, mixed files, a NaN row, a killed rank
-def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_cluster, tmp_path, mlflow_store):
+def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_cluster, tmp_path, mlflow_store,
+                                                                       capsys):
     base = tmp_path / "work #1 ?a b"
     data = base / "data #3 ?x"
     nan_id = 21
@@ -120,6 +121,18 @@ def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_clust
     assert max(m.value for m in hist) == sum(e["skipped"] for e in skipped)
     weights = model_state(s.checkpoint_path)
     assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    # The console said so once, naming the row and its file; the run lists each skip of it.
+    err = capsys.readouterr().err
+    warned = [ln for ln in err.splitlines() if "had a NaN loss" in ln]
+    assert len(warned) == 1 and warned[0].startswith("elastic-ddp: warning: step "), err[-3000:]
+    assert "sample_id 21 (b/part-1.parquet row 5) had a NaN loss" in warned[0], warned
+    assert "the step was skipped on every rank" in warned[0], warned
+    assert run.data.tags["elastic_ddp.warning.nonfinite_loss"].endswith(
+        "their steps skipped: sample_id 21; each in warnings/nonfinite_rows.json"), run.data.tags
+    rows = _artifact(tmp_path, s.run_id, "warnings/nonfinite_rows.json")
+    assert {r["epoch"] for r in rows} == {1, 2} and {r["sample_id"] for r in rows} == {nan_id}, rows
+    assert all(r["file"] == "b/part-1.parquet" and r["row"] == 5 and r["loss"] == "nan" for r in rows)
+    assert s.nonfinite["ids"] == [nan_id], s.nonfinite
 
     # The mixed files trained (labels from the files, never 7 from 'y=7/'), and
     # one validation row for two workers gave a finite validation loss.

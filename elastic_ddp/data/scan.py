@@ -61,6 +61,9 @@ class DatasetInfo:
         fingerprint: sha256 of the file names (relative to ``path``), row groups' row
             counts and id statistics: changes when rows are added, removed or renumbered.
         skipped: files or directories under ``path`` that were not read, and why.
+        id_ranges: per entry of ``row_groups``, the id column's ``(min, max)`` from the
+            footer statistics (``(None, None)`` where the file has none): where
+            :func:`locate_ids` looks for a row.
     """
 
     path: str
@@ -73,6 +76,7 @@ class DatasetInfo:
     id_column: str
     fingerprint: str
     skipped: list[str] = field(default_factory=list)
+    id_ranges: list[tuple] = field(default_factory=list)
 
 
 #: What names a data set's path when the caller does not say which split it is.
@@ -158,7 +162,39 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
         path=str(path), files=[str(f) for f in files], num_rows=num_rows,
         rows_per_file=rows_per_file, row_groups=row_groups, columns=names,
         schema=pa.schema([fields[n][0] for n in names]), id_column=id_column,
-        fingerprint=digest.hexdigest(), skipped=skipped)
+        fingerprint=digest.hexdigest(), skipped=skipped,
+        id_ranges=[(lo, hi) for lo, hi, _ in id_ranges])
+
+
+def locate_ids(info: DatasetInfo, ids, limit: int = 8) -> dict:
+    """Where the rows with sample ids ``ids`` (the first ``limit`` of them) are:
+    ``{id: (file relative to the data set's path, row in that file, 0-based)}``. Reads
+    the id column of only the row groups whose id range (``DatasetInfo.id_ranges``)
+    holds one of them; an id in no known range, or a file that cannot be read, is left
+    out (this serves messages, never the training)."""
+    want = {int(i) for i in list(ids)[:limit]}
+    root, found = Path(info.path), {}
+    root = root if root.is_dir() else root.parent
+    first_row, last_file = 0, None
+    for k, g in enumerate(info.row_groups):
+        if g.file != last_file:
+            first_row, last_file = 0, g.file
+        lo, hi = info.id_ranges[k] if k < len(info.id_ranges) else (None, None)
+        hits = want.difference(found)
+        if lo is not None and any(lo <= i <= hi for i in hits):
+            f = Path(info.files[g.file])
+            try:
+                col = pq.ParquetFile(f).read_row_group(g.index, columns=[info.id_column])
+                got = col.column(0).to_numpy(zero_copy_only=False)
+            except (pa.ArrowException, OSError):
+                got = ()
+            for r, i in enumerate(got):
+                if int(i) in hits:
+                    found[int(i)] = (_rel(root, f), first_row + r)
+            if len(found) == len(want):
+                break
+        first_row += g.num_rows
+    return found
 
 
 def list_files(root: Path, field: str = DATA_PATH_FIELDS) -> tuple[list[Path], list[str]]:

@@ -12,7 +12,8 @@ from typing import Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
-from elastic_ddp.driver.report import Summary, goodput, mlflow_ui_command, recovery_events, startup_breakdown
+from elastic_ddp.driver.report import (Summary, goodput, mlflow_ui_command, nonfinite_summary,
+                                         recovery_events, startup_breakdown)
 
 
 def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
@@ -104,7 +105,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         skipped_steps=int(counters.get("skipped_steps", 0)),
         epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
         tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")},
-        model_id=model_id)
+        model_id=model_id, nonfinite=nonfinite_summary(snap.get("nonfinite", []), cfg.data.id_column))
     tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     tracking.finish_run(uri, run_id, ok=True)
     return summary

@@ -30,6 +30,8 @@ class Summary:
         startup: command-to-first-step phases in seconds (:func:`startup_breakdown`).
         tracking: metrics delayed or dropped while the store was unavailable.
         model_id: the MLflow logged model of the final weights (``models:/<id>``), or None.
+        nonfinite: the rows whose loss was not finite in a skipped step
+            (:func:`nonfinite_summary`), {} when none was.
     """
 
     run_id: str
@@ -50,6 +52,18 @@ class Summary:
     tracking: dict[str, Any] = field(default_factory=dict)
     epochs_done: float = 0.0  # epochs + the finished share of the last one (max_steps)
     model_id: Optional[str] = None
+    nonfinite: dict[str, Any] = field(default_factory=dict)
+
+
+def nonfinite_summary(rows: list[dict], id_column: str, shown: int = 8) -> dict[str, Any]:
+    """The tracker's rows with a non-finite loss (``tracking.nonfinite``, one entry per
+    row and skipped step, the id under ``id_column``) summed up: ``reported`` entries,
+    ``distinct`` ids, the first ``shown`` of them in ``ids``, and the ``id_column``;
+    {} for none."""
+    if not rows:
+        return {}
+    ids = list(dict.fromkeys(r.get(id_column) for r in rows))
+    return {"reported": len(rows), "distinct": len(ids), "ids": ids[:shown], "id_column": id_column}
 
 
 #: The event types that restart the workers (the others: ``checkpoint_rejected``,
@@ -182,7 +196,14 @@ def format_summary(s: Summary) -> str:
              f"world sizes seen: {' -> '.join(map(str, s.world_sizes_seen)) or '-'}"
              f"   restarts: {s.restarts}"]
     if s.skipped_steps:
-        lines.append(f"skipped steps:    {s.skipped_steps} (non-finite gradient)")
+        why = "non-finite gradient"
+        if s.nonfinite:
+            nf = s.nonfinite
+            more = f" and {nf['distinct'] - len(nf['ids'])} more" if nf["distinct"] > len(nf["ids"]) else ""
+            why += (f"; rows with a non-finite loss: {nf['id_column']} "
+                    f"{', '.join(map(str, nf['ids']))}{more}, each in the run's "
+                    "warnings/nonfinite_rows.json")
+        lines.append(f"skipped steps:    {s.skipped_steps} ({why})")
     if s.startup:
         lines.append(f"command to first step: {s.startup['total_s']:.1f} s (" + ", ".join(
             f"{k.removesuffix('_s')} {v:.1f}" for k, v in s.startup.items() if k != "total_s") + ")")

@@ -1,7 +1,7 @@
 """A resumed run's records of its earlier submissions, kept when a submission adds its own.
 
-The tracker actor writes ``events/events.json``, ``events/attempts.json`` and
-``events/timeline.json`` whole, from what it holds. A resubmission's tracker starts
+The tracker actor writes ``events/events.json``, ``events/attempts.json``,
+``events/timeline.json`` and ``warnings/nonfinite_rows.json`` whole, from what it holds. A resubmission's tracker starts
 empty, so it is handed what the run holds already (:func:`earlier_records`, read by the
 MLflow helper when it reopens the run) and writes those lists first, then its own: every
 failure of every submission stays an event of the run.
@@ -18,19 +18,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from elastic_ddp.tracking.nonfinite import NONFINITE_FILE
 from elastic_ddp.tracking.store import STATE_TAG, client, retrying, set_tags
 
 EVENTS = "events/events.json"
 ATTEMPTS = "events/attempts.json"
 TIMELINE = "events/timeline.json"
+NONFINITE = NONFINITE_FILE
 ERROR_TAG = "elastic_ddp.error"
 _BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 #: The artifact of each list the tracker keeps.
-FILES = {"events": EVENTS, "attempts": ATTEMPTS, "timeline": TIMELINE}
+FILES = {"events": EVENTS, "attempts": ATTEMPTS, "timeline": TIMELINE, "nonfinite": NONFINITE}
 
 
 def read_records(uri: str, run_id: str) -> dict[str, list]:
-    """The run's ``events``, ``attempts`` and ``timeline`` lists as its artifacts hold
+    """The run's ``events``, ``attempts``, ``timeline`` and ``nonfinite`` lists as its artifacts hold
     them ([] for one it does not have or cannot be read as a JSON list)."""
     import os
 

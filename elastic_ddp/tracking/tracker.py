@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
 from elastic_ddp.tracking.history import FILES, with_earlier
+from elastic_ddp.tracking.nonfinite import NONFINITE_METRIC, NONFINITE_TAG, NonFiniteRows
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
                                         WORLD_SIZES_TAG, display_rank, is_transient, client,
                                         metric_key, run_info)
@@ -27,7 +28,8 @@ class JobTracker:
     Kept for the driver: ``latest`` metrics (progress), ``notices`` (warnings for the
     console, each once: the data-wait warning of :mod:`elastic_ddp.tracking.data_wait`,
     also the run's tag ``elastic_ddp.warning.data_wait`` and ``warnings/data_wait.txt``;
-    an event's ``warning``, such as a preemption whose notice was too short),
+    an event's ``warning``, such as a preemption whose notice was too short; the first
+    row of each kind with a non-finite loss, :mod:`elastic_ddp.tracking.nonfinite`),
     ``attempts`` (per worker-group
     start: world size and the start-up marks ``enter``/``ready``/``first_step`` in
     seconds since the epoch, and the first step), ``events`` (failures, resizes) and the
@@ -46,6 +48,8 @@ class JobTracker:
         self.latest: dict[str, float] = {}
         self.notices: list[dict[str, Any]] = []
         self._data_wait = DataWaitWatch()
+        self._nonfinite = NonFiniteRows()
+        self.nonfinite = self._nonfinite.rows  # warnings/nonfinite_rows.json
         self.attempts: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
@@ -114,6 +118,18 @@ class JobTracker:
                 extra = len(self._metrics) - MAX_BUFFERED_METRICS
                 del self._metrics[:extra]
                 self.dropped += extra
+
+    def nonfinite_rows(self, report: dict[str, Any]) -> None:
+        """A rank's rows with a non-finite loss in a skipped step
+        (``tracking.nonfinite.row_report``): a console notice for the first of each kind,
+        the count metric, the tag and ``warnings/nonfinite_rows.json``."""
+        with self._lock:
+            self.notices.extend(self._nonfinite.add(report))
+            key = metric_key(NONFINITE_METRIC)
+            so_far = len(self._earlier.get("nonfinite") or []) + len(self.nonfinite)
+            self._metrics.append((key, float(so_far), int(time.time() * 1000), int(report["step"])))
+            self._tags[NONFINITE_TAG] = self._nonfinite.tag()
+            self._artifact("nonfinite")
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         with self._lock:
@@ -192,6 +208,7 @@ class JobTracker:
             return {"latest": dict(self.latest), "notices": [dict(n) for n in self.notices],
                     "attempts": [dict(a) for a in self.attempts],
                     "events": [dict(e) for e in self.events], "timeline": list(self.timeline),
+                    "nonfinite": [dict(r) for r in self.nonfinite],
                     "delayed": self.delayed, "dropped": self.dropped,
                     "pending": len(self._metrics), "last_error": self.last_error,
                     "unavailable_s": round(self.unavailable_s + (
@@ -366,6 +383,11 @@ class TrackerClient:
         """An event the run keeps (``events/events.json``), e.g. a rejected checkpoint."""
         if self.actor is not None:
             self.actor.event.remote(event)
+
+    def nonfinite_rows(self, report: dict[str, Any]) -> None:
+        """This rank's rows with a non-finite loss (``JobTracker.nonfinite_rows``)."""
+        if self.actor is not None:
+            self.actor.nonfinite_rows.remote(report)
 
     def start_attempt(self, world_size: int) -> Optional[dict[str, Any]]:
         """Rank 0: count this worker-group start (``JobTracker.start_attempt``); None on

@@ -121,7 +121,9 @@ def forward_backward(t, batch: dict, rows: list[int], rank: int, n: int, probe: 
         if mb.count:
             loss_sum = float(loss_vec.detach().float().sum())
             if not math.isfinite(loss_sum):  # rare: the rows to name in the skip's message
-                t.nonfinite_ids.extend(nonfinite_rows(loss_vec, part[t.job.train.id_column]))
+                ids, losses = nonfinite_rows(loss_vec, part[t.job.train.id_column])
+                t.nonfinite_ids.extend(ids)
+                t.nonfinite_losses.extend(losses)
             sums.append((loss_sum, {k: float(v.detach().float().sum()) for k, v in extra.items()},
                          mb.count))
         else:
@@ -134,11 +136,13 @@ def forward_backward(t, batch: dict, rows: list[int], rank: int, n: int, probe: 
     return sums, bn_saved
 
 
-def nonfinite_rows(loss_vec: torch.Tensor, ids) -> list:
+def nonfinite_rows(loss_vec: torch.Tensor, ids) -> tuple[list, list[float]]:
     """The ids (``ids``: the micro-batch's id column, [B]) of the rows whose per-sample
-    loss (``loss_vec``, [B]) is NaN or infinite, in row order."""
-    bad = (~torch.isfinite(loss_vec.detach().float())).cpu().numpy()
-    return [i.item() if hasattr(i, "item") else i for i in np.asarray(ids)[bad]]
+    loss (``loss_vec``, [B]) is NaN or infinite, in row order, and those losses."""
+    loss = loss_vec.detach().float().cpu()
+    bad = (~torch.isfinite(loss)).numpy()
+    return ([i.item() if hasattr(i, "item") else i for i in np.asarray(ids)[bad]],
+            [float(v) for v in loss.numpy()[bad]])
 
 
 class _ShardSum:

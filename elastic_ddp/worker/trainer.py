@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from elastic_ddp.compat.torch_nn import BatchNormBase
+from elastic_ddp.data.scan import locate_ids
 from elastic_ddp.batching import lr_at, run_length, step_rows
 from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.positions import Position
@@ -39,6 +40,7 @@ from elastic_ddp.tasks.protocol import model_inputs, parameter_dtype
 from elastic_ddp.run_state import (Counters, DataChangedError, JobSpec, NonFiniteError,  # noqa: F401
                                    Progress, StepError, data_identity)
 from elastic_ddp.tracking import TrackerClient
+from elastic_ddp.tracking.nonfinite import row_report
 
 
 class Trainer:
@@ -76,6 +78,8 @@ class Trainer:
         self.restored_path: Optional[str] = None  # the checkpoint restore() loaded
         self.checkpointed_step: Optional[int] = None  # the step of the last checkpoint() call
         self.tracker = TrackerClient(job.tracker, enabled=self.roles.may_log)
+        # Every rank reports its own rows with a non-finite loss (tracking.nonfinite).
+        self.row_reports = TrackerClient(job.tracker)
         # Fault injection of tests and experiments only (Diagnostics.fault): None in a job.
         self.fault = Fault(job.fault, rank) if job.fault else None
         # Where this rank is (phase, step), for the controller when the process dies
@@ -84,6 +88,7 @@ class Trainer:
         self.window = StepWindow()
         self._nonfinite_run = 0
         self.nonfinite_ids: list = []  # this step's rows with a non-finite loss (micro_steps)
+        self.nonfinite_losses: list[float] = []  # and their losses
         self.loader = RankLoader(job, cfg, self.plan, world_size)
         self._eval_names: Optional[list[str]] = None
         # The checkpoint's config.json: the config as JSON, for a person or a tool to read.
@@ -273,7 +278,7 @@ class Trainer:
         try:
             if self.fault is not None:
                 self.fault.at_step(p.step + 1)
-            self.nonfinite_ids = []
+            self.nonfinite_ids, self.nonfinite_losses = [], []
             sums, bn_saved = forward_backward(self, batch, rows, rank, n, probe)
             if self.ledger.enabled:  # Diagnostics.ledger_dir: tests and experiments
                 self.ledger.record(p.epoch, p.step + 1, ids, **self.ft.ledger_extra())
@@ -329,6 +334,11 @@ class Trainer:
             sys.stdout.write(f"[rank {self.rank}/{self.world_size}] {line}\n")
             sys.stdout.flush()
         self.log(line)
+        if self.nonfinite_ids:  # the console's warning and the run's record of the rows
+            self.row_reports.nonfinite_rows(row_report(
+                self.progress.step + 1, self.progress.epoch + 1, self.rank, n,
+                self.job.train.id_column, self.nonfinite_ids, self.nonfinite_losses,
+                locate_ids(self.job.train, self.nonfinite_ids)))
         if self.roles.lead:
             self.tracker.log_metrics({"skipped_steps": self.counters.skipped_steps,
                                       "skipped_samples": self.counters.skipped_samples},
