@@ -172,3 +172,55 @@ def test_a_process_start_is_timed_to_the_clock_tick_not_the_boot_seconds():
             p.kill()
             p.wait()
         assert start is not None and -0.05 < start - t0 < 0.5, start - t0
+
+
+def _summary(wall_s: float, committed_s: float, parts: dict):
+    from elastic_ddp.driver.report import Summary, goodput
+
+    return Summary(run_id="r", tracking_uri="sqlite:///x.db", experiment_id="1", metrics={}, steps=10,
+                   epochs=1, wall_s=wall_s, world_sizes_seen=[2], restarts=1,
+                   goodput=goodput(committed_s, wall_s), goodput_parts=parts)
+
+
+def test_goodput_says_where_the_wall_time_went():
+    """Goodput's line names its committed training seconds, and the next line splits the
+    rest into start-up (to the end of the first step), restarts (overlapping recoveries
+    once) and the rest; the parts sum to the wall time."""
+    from elastic_ddp.driver.report import format_summary, goodput_parts
+
+    marks = {"process_start": 0.0, "train_called": 0.4, "scanned": 2.0, "ray_ready": 3.5, "fit_called": 4.0}
+    snap = {"attempts": [{"enter": 6.4, "ready": 7.4, "first_step": 7.7, "committed_s": 0.0},
+                         {"enter": 25.0, "ready": 26.0, "first_step": 28.0, "committed_s": 2.0}]}
+    # A failure whose restart was cut short by a resize: 20-26 and 23-28 are 8 s.
+    events = [{"type": "failure", "t": 20.0, "recovery_s": 6.0},
+              {"type": "resize", "t": 23.0, "recovery_s": 5.0},
+              {"type": "config_change", "t": 1.0}]
+    parts = goodput_parts(snap, marks, wall_start=0.4, wall_s=50.0, committed_s=5.0, events=events)
+    assert parts == {"training_s": 5.0, "earlier_s": 0.0, "startup_s": 7.3, "restarts_s": 8.0,
+                     "other_s": 29.7}, parts
+    assert abs(sum(parts.values()) - 50.0) < 1e-9
+    out = format_summary(_summary(50.0, 5.0, parts)).splitlines()
+    at = next(i for i, ln in enumerate(out) if ln.startswith("wall time:"))
+    assert out[at] == "wall time:        50.0 s   goodput 10.00% (committed training steps 5.0 s / wall time)"
+    assert out[at + 1] == ("  not training:   45.0 s = start-up 7.3 s (command to first step) + restarts "
+                           "8.0 s + other 29.7 s (evaluation, checkpoint writes, lost steps, the job's end)")
+
+
+def test_goodput_of_a_resumed_run_counts_the_earlier_submissions_apart():
+    """A resumed run's wall time starts at its first submission: the time before this one
+    less the committed training it restored is the earlier submissions' part; this
+    submission's start-up starts at its command. A per-step replica's replacement is no
+    restart (the other replicas trained meanwhile)."""
+    from elastic_ddp.driver.report import format_summary, goodput_parts
+
+    marks = {"process_start": 1000.0, "train_called": 1000.4, "fit_called": 1004.0}
+    snap = {"attempts": [{"rank": 0, "enter": 1006.0, "first_step": 1010.0, "committed_s": 30.0},
+                         {"rank": 1, "enter": 1006.0, "first_step": 1010.5, "committed_s": 30.0}]}
+    events = [{"type": "failure", "t": 1050.0, "recovery_s": 9.0, "failed_ranks": [1]}]
+    parts = goodput_parts(snap, marks, wall_start=0.0, wall_s=1200.0, committed_s=150.0, events=events)
+    assert parts == {"training_s": 150.0, "earlier_s": 970.0, "startup_s": 10.0, "restarts_s": 0.0,
+                     "other_s": 70.0}, parts
+    line = format_summary(_summary(1200.0, 150.0, parts)).splitlines()
+    assert ("  not training:   1050.0 s = earlier submissions 970.0 s (and the time between them) + "
+            "start-up 10.0 s (command to first step) + restarts 0.0 s + other 70.0 s") in "\n".join(line)
+    assert goodput_parts({"attempts": []}, marks, 0.0, 1200.0, 150.0, events) == {}

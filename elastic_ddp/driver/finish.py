@@ -12,8 +12,8 @@ from typing import Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
-from elastic_ddp.driver.report import (Summary, goodput, mlflow_ui_command, nonfinite_summary,
-                                         recovery_events, startup_breakdown)
+from elastic_ddp.driver.report import (Summary, goodput, goodput_parts, mlflow_ui_command,
+                                         nonfinite_summary, recovery_events, startup_breakdown)
 
 
 def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
@@ -36,7 +36,8 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     run = tracking.run_info(uri, run_id)
     # The job's wall time runs from its MLflow run's first start: a resubmitted job's
     # committed seconds span every submission, and so must the time they are divided by.
-    wall = time.time() - min(t0, run.info.start_time / 1000.0)
+    wall_start = min(t0, run.info.start_time / 1000.0)
+    wall = time.time() - wall_start
     attempts = None
     if ledger_dir:
         from elastic_ddp.ledger import LedgerError, read_attempts
@@ -74,6 +75,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     counters = state.get("counters", {})
     progress = state.get("progress", {})
     gp = goodput(counters.get("committed_train_s", 0.0), wall)
+    parts = goodput_parts(snap, marks, wall_start, wall, counters.get("committed_train_s", 0.0), events)
     step = int(progress.get("step", 0))
     if weights is not None and task is not None:
         model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, sample, step, model)
@@ -99,7 +101,8 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
         metrics=dict(sorted(metrics.items())), steps=step, epochs=int(progress.get("epoch", 0)),
         wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
-        restarts=int(counters.get("restarts", 0)), goodput=gp, events=events, startup=startup,
+        restarts=int(counters.get("restarts", 0)), goodput=gp, goodput_parts=parts, events=events,
+        startup=startup,
         checkpoint_path=ckpt.path if ckpt is not None else None,
         mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
         skipped_steps=int(counters.get("skipped_steps", 0)),

@@ -26,6 +26,8 @@ class Summary:
         steps, epochs: optimizer steps and epochs done.
         wall_s: seconds from the job's first start (its MLflow run's start) to the end.
         goodput: see :func:`goodput`.
+        goodput_parts: the wall time split into the committed training and the rest
+            (:func:`goodput_parts`); {} where the job recorded no first step.
         events: restart events with ``recovery_s``, ``resumed_at_step``, ``steps_recomputed``.
         startup: command-to-first-step phases in seconds (:func:`startup_breakdown`).
         tracking: metrics delayed or dropped while the store was unavailable.
@@ -53,6 +55,7 @@ class Summary:
     epochs_done: float = 0.0  # epochs + the finished share of the last one (max_steps)
     model_id: Optional[str] = None
     nonfinite: dict[str, Any] = field(default_factory=dict)
+    goodput_parts: dict[str, float] = field(default_factory=dict)
 
 
 def nonfinite_summary(rows: list[dict], id_column: str, shown: int = 8) -> dict[str, Any]:
@@ -78,6 +81,46 @@ def goodput(committed_train_s: float, wall_s: float) -> float:
     Google's "ML goodput" (productive training time over elapsed time; Google Cloud,
     "Goodput: measuring ML productivity", 2024) at step granularity."""
     return committed_train_s / max(1e-9, wall_s)
+
+
+def goodput_parts(snapshot: dict, marks: dict, wall_start: float, wall_s: float,
+                  committed_s: float, events: list[dict]) -> dict[str, float]:
+    """Where the wall time of :func:`goodput` went, from what the job records (seconds,
+    summing to ``wall_s``; ``wall_start``: its start, seconds since the epoch):
+
+    - ``training_s``: training steps a checkpoint committed (``committed_s``);
+    - ``earlier_s``: a resumed run's time before this submission started that its
+      committed training does not account for: the earlier submissions' start-up,
+      restarts and lost steps, and the time between submissions (the committed seconds
+      at the restore come with this submission's first attempt, ``committed_s``);
+    - ``startup_s``: from this submission's start (the command's) to the end of its first
+      optimizer step (:func:`startup_breakdown`'s span);
+    - ``restarts_s``: the restart events' recovery (``recovery_s`` of :func:`recovery_events`,
+      overlapping ones counted once); a per-step replica's replacement is left out (the
+      other replicas trained meanwhile);
+    - ``other_s``: the rest: evaluation, checkpoint writes, steps lost to a fault and
+      recomputed, the end of the job (floored at 0).
+
+    {} when no attempt of this submission reached its first step."""
+    fit = marks.get("fit_called", marks.get("process_start", wall_start))
+    attempts = sorted((a for a in snapshot.get("attempts", []) if a.get("first_step", 0) >= fit),
+                      key=lambda a: a["first_step"])
+    if not attempts:
+        return {}
+    start = max(marks.get("process_start", wall_start), wall_start)
+    earlier = max(0.0, start - wall_start - float(attempts[0].get("committed_s", 0.0)))
+    startup = max(0.0, attempts[0]["first_step"] - start)
+    per_replica = any("rank" in a for a in snapshot.get("attempts", []))
+    spans = sorted((e["t"], e["t"] + e["recovery_s"]) for e in events
+                   if e.get("type") in RESTARTS and e.get("recovery_s") is not None
+                   and not (per_replica and e.get("failed_ranks")))
+    restarts, end = 0.0, float("-inf")
+    for a, b in spans:
+        restarts += max(0.0, b - max(a, end))
+        end = max(end, b)
+    out = {"training_s": committed_s, "earlier_s": earlier, "startup_s": startup, "restarts_s": restarts}
+    out["other_s"] = max(0.0, wall_s - sum(out.values()))
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> list[dict]:
@@ -191,8 +234,7 @@ def format_summary(s: Summary) -> str:
     lines = ["", "=== elastic-ddp summary ===",
              f"validation:       {metrics}",
              f"steps / epochs:   {s.steps} / {s.epochs_done:.2f}",
-             f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training-step "
-             "time / wall time)",
+             *_goodput_lines(s),
              f"world sizes seen: {' -> '.join(map(str, s.world_sizes_seen)) or '-'}"
              f"   restarts: {s.restarts}"]
     if s.skipped_steps:
@@ -224,6 +266,23 @@ def format_summary(s: Summary) -> str:
     lines += [f"MLflow run:       {s.run_id} at {s.tracking_uri}",
               f"open the UI:      {s.mlflow_ui_command}"]
     return "\n".join(lines)
+
+
+def _goodput_lines(s: Summary) -> list[str]:
+    """Wall time and goodput, with its committed training seconds, and a line that says
+    where the rest of the wall time went (:func:`goodput_parts`)."""
+    g = s.goodput_parts
+    if not g:
+        return [f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed "
+                "training-step time / wall time)"]
+    parts = ([f"earlier submissions {g['earlier_s']:.1f} s (and the time between them)"]
+             if g.get("earlier_s") else [])
+    parts += [f"start-up {g['startup_s']:.1f} s (command to first step)",
+              f"restarts {g['restarts_s']:.1f} s",
+              f"other {g['other_s']:.1f} s (evaluation, checkpoint writes, lost steps, the job's end)"]
+    return [f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training steps "
+            f"{g['training_s']:.1f} s / wall time)",
+            f"  not training:   {s.wall_s - g['training_s']:.1f} s = " + " + ".join(parts)]
 
 
 class ProgressDisplay:

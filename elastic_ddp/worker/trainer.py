@@ -202,7 +202,8 @@ class Trainer:
         mine = {"rank": self.rank} if self.ft.ledger_mode == "per_step" else {}
         if self.roles.records_attempt:
             self.tracker.attempt(enter=self._t_enter, ready=time.time(), world_size=self.world_size,
-                                 resumed_from=p.step, checkpoint=self.restored_path, **mine,
+                                 resumed_from=p.step, checkpoint=self.restored_path,
+                                 committed_s=self.counters.committed_train_s, **mine,
                                  **self._start_marks)
         if starts:
             import torch.distributed as dist
