@@ -14,7 +14,8 @@ Default suite:
 - a rank killed at the same step on every attempt: stopped after two;
 - a dead rank's position read on its node by a pinned task;
 - a deleted MLflow experiment (exit 2) and Ctrl-C while Ray starts or during training
-  (exit 130, run KILLED).
+  (exit 130, run KILLED); the same command then resumes the interrupted one, its resume
+  a recovery event of the run.
 Slow (``-m slow``): a CLI job through a 25 s tracking-store lock; an fsdp job stopped by
 consecutive inf steps, then resumed on changed data (refused, or the epoch restarted);
 an error in evaluation and in the data read, each stopped after two attempts; ids
@@ -358,20 +359,46 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
                                 "checkpoints kept); run the same command to resume it"), out[-3000:]
 
 
+SLOW_LOSS_TASK = """
+import time
+
+from elastic_ddp.tasks.vision import CNNClassifier
+
+
+class SlowLoss(CNNClassifier):
+    '''The digits CNN whose loss takes 50 ms more: a job of 80 steps long enough to
+    interrupt.'''
+
+    def loss(self, model, batch):
+        time.sleep(0.05)
+        return super().loss(model, batch)
+"""
+
+
 @pytest.mark.ray  # starts its own local Ray in the subprocess
-def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
+def test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_command_resumes(tmp_path):
     """A Ctrl-C in fit() (where Ray Train's own SIGINT handler would sys.exit(0), ending
     the command with status 1 and no word) aborts the controller, closes the run KILLED,
-    and the CLI says "interrupted", names the run and how to resume, and exits 130."""
+    and the CLI says "interrupted", names the run and how to resume, and exits 130. The
+    same command then resumes the run from its checkpoint and finishes it; the resume is
+    a recovery event of the run (summary line, events/recovery.json, recovery_s): the
+    seconds from the command's start to its first step, the step it resumed at and the
+    steps recomputed past it."""
     data = tmp_path / "data"
     write_rows(data / "train" / "part-0.parquet", range(32))
     write_rows(data / "val" / "part-0.parquet", range(100, 104))
+    task = tmp_path / "user" / "slow_loss.py"
+    task.parent.mkdir()
+    task.write_text(SLOW_LOSS_TASK)
+    raw = small_config(data, tmp_path, {
+        "train": {"epochs": 40, "checkpoint_every_steps": 5, "log_every_steps": 1}})
+    raw["task"]["path"] = f"{task}:SlowLoss"
+    raw["model"] = {"kwargs": {"hidden": 8}}
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(yaml.safe_dump(small_config(data, tmp_path, {
-        "train": {"epochs": 100000, "checkpoint_every_steps": 1000000, "log_every_steps": 1}})))
+    cfg.write_text(yaml.safe_dump(raw))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    p = subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    cmd = [sys.executable, "-m", "elastic_ddp", "train", str(cfg)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=sigint_default)
     lines = []
     for line in p.stdout:  # progress lines, off a terminal: one every few seconds
@@ -387,6 +414,31 @@ def test_ctrl_c_during_training_exits_130_and_closes_the_run_killed(tmp_path):
     assert run.info.status == "KILLED", run.info.status
     assert (f"elastic-ddp: interrupted (MLflow run {run.info.run_id} KILLED, checkpoints kept); "
             "run the same command to resume it") in out, out[-3000:]
+    last_step = int(run.data.tags["elastic_ddp.last_step"])
+    assert 0 < last_step < 80, last_step
+
+    t_resume = time.time()
+    again = subprocess.run(cmd + ["--no-progress"], env=env, capture_output=True, text=True, timeout=600,
+                           preexec_fn=sigint_default)
+    print(again.stdout[-3000:], again.stderr[-3000:])
+    assert again.returncode == 0, again.stderr[-3000:]
+    (run2,) = mlflow_runs(tmp_path)
+    assert run2.info.run_id == run.info.run_id and run2.info.status == "FINISHED"
+    summary = _artifact(tmp_path, run.info.run_id, "summary.json")
+    (ev,) = [e for e in summary["events"] if e["type"] == "resume"]
+    assert ev["cause"] == "interrupted" and ev["previous_status"] == "KILLED", ev
+    assert ev["last_step_seen"] == last_step and ev["resumed_at_step"] % 5 == 0, ev
+    assert ev["resumed_at_step"] <= last_step and ev["steps_recomputed"] == last_step - ev["resumed_at_step"], ev
+    assert 0 < ev["recovery_s"] < time.time() - t_resume and ev["t"] >= t_resume - 1, ev
+    assert (f"  event: resume cause=interrupted recovery_s={ev['recovery_s']} "
+            f"steps_recomputed={ev['steps_recomputed']}") in again.stdout, again.stdout[-3000:]
+    table = _artifact(tmp_path, run.info.run_id, "events/recovery.json")
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert [(r["type"], r["recovery_s"], r["steps_recomputed"]) for r in rows] == [
+        ("resume", ev["recovery_s"], ev["steps_recomputed"])], rows
+    hist = _client(tmp_path).get_metric_history(run.info.run_id, "recovery_s")
+    assert [(m.step, m.value) for m in hist] == [(ev["resumed_at_step"], ev["recovery_s"])], hist
+    assert "elastic_ddp.last_step" not in run2.data.tags
 
 
 # -------------------------------------- slow: errors in evaluation and the read, renumbered ids

@@ -6,7 +6,10 @@ the actor runs it) writes the next submission's records after the earlier ones.
   the previous submission's end (FAILED, its error) is a ``submission_end`` event, and
   the ``elastic_ddp.error`` tag is gone from the reopened run (a run that then finishes
   carries no stale error);
-- the data-wait warning given by an earlier submission is not given again.
+- the data-wait warning given by an earlier submission is not given again;
+- the next submission's ``resume`` event names how the previous one ended and the step
+  it had logged, and gets a recovery as a restart does (the same through a real Ctrl-C:
+  test_failures_e2e.test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_command_resumes).
 """
 
 from __future__ import annotations
@@ -88,3 +91,40 @@ def test_reading_the_records_draws_no_progress_bar(digits_data, tmp_path, mlflow
     assert len(read_records(mlflow_store, opened["run_id"])["events"]) == 1
     out, err = capfd.readouterr()
     assert "Downloading artifacts" not in out + err, err
+
+
+def test_a_resume_is_a_recovery_event_from_its_start_to_its_first_step(digits_data, tmp_path, mlflow_store):
+    """The previous submission closed KILLED at logged step 13 (``close_failed``'s tags);
+    the next one reopens the run and resumes from the checkpoint of step 10: its resume
+    event takes the cause and the step, and its recovery is the seconds from its start to
+    its first step, 3 steps recomputed. A previous submission that never closed its run
+    leaves the steps recomputed unknown."""
+    from elastic_ddp.driver.report import recovery_events
+    from elastic_ddp.tracking.history import LAST_STEP_TAG, resume_event
+
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    uri, storage = mlflow_store, str(tmp_path / "ray")
+    first = _open(cfg, uri, storage)
+    _submission(uri, first, 0)
+    tracking.finish_run(uri, first["run_id"], ok=False, error="interrupted", status="KILLED",
+                        tags={LAST_STEP_TAG: 13})
+    second = _open(cfg, uri, storage)
+    assert LAST_STEP_TAG not in tracking.run_info(uri, second["run_id"]).data.tags
+    end = second["history"]["events"][-1]
+    assert (end["type"], end["status"], end["last_step_seen"]) == ("submission_end", "KILLED", 13), end
+    t = 1_796_000_000.0
+    ev = resume_event(second["history"], t)
+    assert ev == {"type": "resume", "t": t, "last_step_seen": 13, "cause": "interrupted",
+                  "previous_status": "KILLED"}, ev
+    tr = JobTracker(uri, second["run_id"], history=second["history"])
+    tr.event(ev)
+    tr.attempt(enter=t + 20.0, ready=t + 24.0, world_size=2, resumed_from=10, committed_s=4.0)
+    tr.attempt(first_step=t + 25.5, step=11)
+    (rec,) = recovery_events(tr.snapshot())
+    assert (rec["type"], rec["recovery_s"], rec["resumed_at_step"], rec["steps_recomputed"]) == \
+        ("resume", 25.5, 10, 3), rec
+
+    unknown = resume_event({"events": [{"type": "failure", "t": 1.0}]}, t)
+    assert unknown["last_step_seen"] is None and "did not close its run" in unknown["cause"], unknown
+    (rec,) = recovery_events({"events": [unknown], "attempts": tr.snapshot()["attempts"]})
+    assert rec["recovery_s"] == 25.5 and rec["steps_recomputed"] is None, rec

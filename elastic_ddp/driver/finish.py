@@ -12,6 +12,7 @@ from typing import Optional
 
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
+from elastic_ddp.tracking.history import LAST_STEP_TAG
 from elastic_ddp.driver.report import (Summary, goodput, goodput_parts, mlflow_ui_command,
                                          nonfinite_summary, recovery_events, startup_breakdown)
 
@@ -225,21 +226,27 @@ def after_failed_fit(tracker) -> None:
 
 
 def close_failed(uri: str, run_id: str, tracker, msg: str, status: str, opener=None) -> None:
-    """Close the job's run as ``status`` (FAILED, KILLED) with ``msg`` as its error, after
-    the MLflow helper (``opener``) and the tracker's buffered metrics; a store that does
-    not answer leaves a warning, never an error in place of the job's own."""
+    """Close the job's run as ``status`` (FAILED, KILLED) with ``msg`` as its error and
+    the newest step the tracker saw (``elastic_ddp.last_step``, for the resume's
+    recovery event), after the MLflow helper (``opener``) and the tracker's buffered
+    metrics; a store that does not answer leaves a warning, never an error in place of
+    the job's own."""
     import ray
 
     if opener is not None:
         opener.finish()
 
+    tags = {}
     if tracker is not None:
         try:
             ray.get(tracker.flush.remote(30), timeout=40)
+            step = ray.get(tracker.progress.remote(), timeout=10).get("step")
+            if step:  # how far it got: a resume's steps recomputed (history.resume_event)
+                tags[LAST_STEP_TAG] = int(step)
         except Exception:  # noqa: BLE001 - closing the run matters more than the last metrics
             pass
     try:
-        tracking.finish_run(uri, run_id, ok=False, error=msg, status=status)
+        tracking.finish_run(uri, run_id, ok=False, error=msg, status=status, tags=tags)
     except Exception as e:  # noqa: BLE001 - the job's own error is the one to raise
         import sys
 

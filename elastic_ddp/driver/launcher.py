@@ -33,6 +33,7 @@ from elastic_ddp.driver.stop import (EarlySigterm, JobInterrupted, JobStopped,  
                                      SigtermStop, StoppedBeforeTraining)
 from elastic_ddp.run_state import Diagnostics
 
+from elastic_ddp.tracking.history import resume_event
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener, run_dir_exists  # noqa: F401 - re-exported
 
 
@@ -358,6 +359,8 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
         tracker.bind.remote(run_id, **opened["attempts"], history=opened["history"],
                             data_wait_given=opened["data_wait_given"])
+        if resumed:  # its recovery: seconds to this submission's first step, steps recomputed
+            tracker.event.remote(resume_event(opened["history"], marks["process_start"]))
         if resume is not None and resume.tags:
             tracker.set_tags.remote(resume.tags)
         for ev in resume.events if resume is not None else ():

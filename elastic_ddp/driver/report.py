@@ -72,6 +72,9 @@ def nonfinite_summary(rows: list[dict], id_column: str, shown: int = 8) -> dict[
 #: The event types that restart the workers (the others: ``checkpoint_rejected``,
 #: ``config_change``, recorded without a restart of their own).
 RESTARTS = ("failure", "resize", "preemption")
+#: The events with a recovery (:func:`recovery_events`): the restarts, and the ``resume``
+#: of a run whose previous submission did not finish (``tracking.history.resume_event``).
+RECOVERIES = RESTARTS + ("resume",)
 
 
 def goodput(committed_train_s: float, wall_s: float) -> float:
@@ -126,14 +129,16 @@ def goodput_parts(snapshot: dict, marks: dict, wall_start: float, wall_s: float,
 def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> list[dict]:
     """The controller's events joined with the attempts' first-step times.
 
-    Per event: ``recovery_s`` = first step of the next attempt - the event's time
-    (worker start, checkpoint load, data and the first step included);
+    Per restart or resume (:data:`RECOVERIES`): ``recovery_s`` = first step of the next
+    attempt - the event's time (worker start, checkpoint load, data and the first step
+    included; a resume's time is its command's start, so Ray's start counts too);
     ``resumed_at_step``; ``steps_recomputed`` = steps the failed attempt ran past the
     checkpoint the next one resumed from (a per-step replica's leave, ``left_quorum``,
     keeps its own: 0; per-step mode: the failed rank's replacement, resumed at the step
     before its first commit). From the ledger (``ledger_attempts``,
     ``elastic_ddp.ledger.read_attempts``) it is exact; without it, a lower bound from the
-    steps the tracker saw (logged every ``train.log_every_steps``).
+    steps the tracker saw (logged every ``train.log_every_steps``); None for a resume
+    whose previous submission left no step (it did not close its run).
     """
     events = [dict(e) for e in snapshot.get("events", [])]
     attempts = sorted((a for a in snapshot.get("attempts", []) if "first_step" in a),
@@ -152,13 +157,14 @@ def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> l
         # replica that left its quorum
         # (the others never stopped; the event carries its own resumed_at_step and
         # steps_recomputed).
-        if not nxt or ev.get("type") not in RESTARTS or ev.get("left_quorum"):
+        if not nxt or ev.get("type") not in RECOVERIES or ev.get("left_quorum"):
             continue
         ev["recovery_s"] = round(nxt[0]["first_step"] - ev["t"], 3)
         ev["resumed_at_step"] = int(nxt[0].get("resumed_from", nxt[0].get("step", 1) - 1))
         if nxt[0].get("checkpoint"):
             ev["resumed_from_checkpoint"] = nxt[0]["checkpoint"]
-        ev["steps_recomputed"] = max(0, int(ev.get("last_step_seen", 0)) - ev["resumed_at_step"])
+        seen = ev.get("last_step_seen", 0)
+        ev["steps_recomputed"] = None if seen is None else max(0, int(seen) - ev["resumed_at_step"])
         if ledger_attempts:
             from elastic_ddp.ledger import recomputed_after
 

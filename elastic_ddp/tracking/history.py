@@ -7,8 +7,10 @@ MLflow helper when it reopens the run) and writes those lists first, then its ow
 failure of every submission stays an event of the run.
 
 How the previous submission ended (the ``elastic_ddp.error`` tag of a FAILED or KILLED
-run) becomes a ``submission_end`` event, written before the tag is removed: a run that
-resumes and finishes carries no error of an attempt that came before.
+run, and the ``elastic_ddp.last_step`` it had logged) becomes a ``submission_end`` event,
+written before the tags are removed: a run that resumes and finishes carries no error of
+an attempt that came before. The new submission records a ``resume`` event
+(:func:`resume_event`), whose recovery the summary's table reports as a restart's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ATTEMPTS = "events/attempts.json"
 TIMELINE = "events/timeline.json"
 NONFINITE = NONFINITE_FILE
 ERROR_TAG = "elastic_ddp.error"
+#: The newest step a submission that did not finish had logged (set as it closes its run).
+LAST_STEP_TAG = "elastic_ddp.last_step"
 _BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 #: The artifact of each list the tracker keeps.
 FILES = {"events": EVENTS, "attempts": ATTEMPTS, "timeline": TIMELINE, "nonfinite": NONFINITE}
@@ -68,17 +72,37 @@ def earlier_records(uri: str, run_id: str) -> dict[str, list]:
     run = retrying(client(uri).get_run, run_id, what="get run")
     records = read_records(uri, run_id)
     error = run.data.tags.get(ERROR_TAG)
+    last_step = run.data.tags.get(LAST_STEP_TAG)
     status = run.info.status
     if error is not None or status in ("FAILED", "KILLED"):
         end = (run.info.end_time or run.info.start_time or 0) / 1000.0
-        records["events"].append({"type": "submission_end", "t": end, "status": status,
-                                  "cause": error or status.lower()})
+        ev = {"type": "submission_end", "t": end, "status": status, "cause": error or status.lower()}
+        if last_step is not None and last_step.isdigit():
+            ev["last_step_seen"] = int(last_step)
+        records["events"].append(ev)
         retrying(client(uri).log_text, run_id, json.dumps(records["events"], indent=1), EVENTS,
                  what="log artifact")
-    if error is not None:
-        retrying(client(uri).delete_tag, run_id, ERROR_TAG, what="delete tag")
+    for tag in (ERROR_TAG, LAST_STEP_TAG):
+        if run.data.tags.get(tag) is not None:
+            retrying(client(uri).delete_tag, run_id, tag, what="delete tag")
     set_tags(uri, run_id, {STATE_TAG: "running"})
     return records
+
+
+def resume_event(history: dict[str, list], t: float) -> dict[str, Any]:
+    """The ``resume`` event of a submission that reopens its run, at ``t`` (its command's
+    start): the cause is how the previous submission ended (the ``submission_end`` event
+    :func:`earlier_records` added; a previous submission that did not close its run, a
+    driver killed or its node lost, left none), ``last_step_seen`` the newest step it
+    logged (None where unknown). ``report.recovery_events`` adds its recovery: seconds to
+    this submission's first step, the step resumed at and the steps recomputed."""
+    events = (history or {}).get("events") or []
+    prev = events[-1] if events and events[-1].get("type") == "submission_end" else {}
+    ev = {"type": "resume", "t": t, "last_step_seen": prev.get("last_step_seen"),
+          "cause": prev.get("cause") or "the previous submission did not close its run"}
+    if prev:
+        ev["previous_status"] = prev.get("status")
+    return ev
 
 
 def with_earlier(earlier: dict[str, Any], key: str, current: list) -> str:

@@ -241,13 +241,16 @@ def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
 
 
 def finish_run(uri: str, run_id: str, ok: bool, error: str | None = None,
-               status: str | None = None) -> None:
+               status: str | None = None, tags: dict[str, Any] | None = None) -> None:
     """Close the run as FINISHED or FAILED; a failed run keeps the error as a tag so the
-    store never holds a run that looks alive but is not."""
+    store never holds a run that looks alive but is not. ``tags``: more tags, written
+    with those."""
     from mlflow.entities import RunTag
 
     c = client(uri)
+    extra = tags or {}
     tags = [RunTag(STATE_TAG, "finished" if ok else "failed")]
+    tags += [RunTag(k, str(v)) for k, v in extra.items()]
     if error:
         tags.append(RunTag("elastic_ddp.error", error[:5000]))
     retrying(c.log_batch, run_id, tags=tags, what="close run")
