@@ -7,6 +7,7 @@ the actor runs it) writes the next submission's records after the earlier ones.
   the ``elastic_ddp.error`` tag is gone from the reopened run (a run that then finishes
   carries no stale error);
 - the data-wait warning given by an earlier submission is not given again;
+- ``warnings/nonfinite_rows.json`` lists the rows of every submission;
 - the next submission's ``resume`` event names how the previous one ended and the step
   it had logged, and gets a recovery as a restart does (the same through a real Ctrl-C:
   test_failures_e2e.test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_command_resumes).
@@ -128,3 +129,28 @@ def test_a_resume_is_a_recovery_event_from_its_start_to_its_first_step(digits_da
     assert unknown["last_step_seen"] is None and "did not close its run" in unknown["cause"], unknown
     (rec,) = recovery_events({"events": [unknown], "attempts": tr.snapshot()["attempts"]})
     assert rec["recovery_s"] == 25.5 and rec["steps_recomputed"] is None, rec
+
+
+def test_a_resumed_run_keeps_the_earlier_rows_with_a_non_finite_loss(digits_data, tmp_path, mlflow_store):
+    """warnings/nonfinite_rows.json lists the rows of every submission, and the count
+    metric goes on from the earlier ones."""
+    from mlflow.tracking import MlflowClient
+
+    from elastic_ddp.tracking.nonfinite import row_report
+
+    cfg = Config.from_dict(digits_config(digits_data, tmp_path))
+    uri, storage = mlflow_store, str(tmp_path / "ray")
+    first = _open(cfg, uri, storage)
+    t1 = JobTracker(uri, first["run_id"], history=first["history"])
+    t1.nonfinite_rows(row_report(3, 1, 0, 16, "sample_id", [21], [float("nan")]))
+    assert t1.flush(30)
+    tracking.finish_run(uri, first["run_id"], ok=False, error="interrupted", status="KILLED")
+
+    second = _open(cfg, uri, storage)
+    t2 = JobTracker(uri, second["run_id"], history=second["history"])
+    t2.nonfinite_rows(row_report(9, 2, 1, 16, "sample_id", [40], [float("inf")]))
+    assert t2.flush(30)
+    rows = read_records(uri, second["run_id"])["nonfinite"]
+    assert [(r["step"], r["sample_id"], r["loss"]) for r in rows] == [(3, 21, "nan"), (9, 40, "inf")], rows
+    hist = MlflowClient(uri).get_metric_history(second["run_id"], "worker/nonfinite_loss_rows")
+    assert sorted((m.step, m.value) for m in hist) == [(3, 1.0), (9, 2.0)], hist
