@@ -1,10 +1,11 @@
 """A resumed run's records of its earlier submissions, kept when a submission adds its own.
 
 The tracker actor writes ``events/events.json``, ``events/attempts.json``,
-``events/timeline.json`` and ``warnings/nonfinite_rows.json`` whole, from what it holds. A resubmission's tracker starts
-empty, so it is handed what the run holds already (:func:`earlier_records`, read by the
-MLflow helper when it reopens the run) and writes those lists first, then its own: every
-failure of every submission stays an event of the run.
+``events/timeline.json`` and ``warnings/nonfinite_rows.json`` whole, from what it holds.
+A resubmission's tracker starts empty, so it is handed what the run holds already
+(:func:`earlier_records`, read by the MLflow helper when it reopens the run) and writes
+those lists first, then its own: every failure of every submission stays an event of the
+run.
 
 How the previous submission ended (the ``elastic_ddp.error`` tag of a FAILED or KILLED
 run, and the ``elastic_ddp.last_step`` it had logged) becomes a ``submission_end`` event,
