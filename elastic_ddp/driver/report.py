@@ -298,7 +298,12 @@ class ProgressDisplay:
 
     Either way it prints each of the tracker's notices once, as it arrives, to stderr
     (``elastic-ddp: warning: ...``; above the live bar on a terminal), and once more polls
-    for them on exit, so that a notice raised after the last poll is printed too."""
+    for them on exit, so that a notice raised after the last poll is printed too.
+
+    Once ``__exit__`` has returned, the poller makes no Ray call: every call holds
+    ``_ray_lock`` and checks ``_closed``, which ``__exit__`` sets under that lock. A call
+    made after the caller's ``ray.shutdown()`` would start Ray again (Ray's auto-init
+    connects to the newest local cluster), leaving a connection nobody shuts down."""
 
     def __init__(self, tracker, total_steps: int, period: float = 2.0, show: bool = True):
         self.tracker, self.total, self.period, self.show = tracker, total_steps, period, show
@@ -307,6 +312,8 @@ class ProgressDisplay:
         self._last = -1
         self._notices_seen = 0
         self._notice_lock = threading.Lock()
+        self._ray_lock = threading.Lock()
+        self._closed = False
 
     def __enter__(self):
         start_deferring_signals(self._thread)
@@ -316,22 +323,33 @@ class ProgressDisplay:
         self._stop.set()
         self._thread.join(timeout=5)
         self._print_notices(timeout=5)
+        with self._ray_lock:  # waits for a poll in flight (each is bounded by its timeout)
+            self._closed = True
 
-    def _print_notices(self, timeout: float = 10) -> None:
-        """Print the notices not printed yet (display only: an unreachable tracker is skipped)."""
+    def _ask(self, method: str, *args, timeout: float):
+        """``ray.get`` of one tracker call, or None once closed, without Ray, or on error
+        (display only: an unreachable tracker is skipped). Holds ``_ray_lock``."""
         import ray
 
-        with self._notice_lock:
+        with self._ray_lock:
+            if self._closed or not ray.is_initialized():
+                return None
             try:
-                new = ray.get(self.tracker.get_notices.remote(self._notices_seen), timeout=timeout)
+                return ray.get(getattr(self.tracker, method).remote(*args), timeout=timeout)
             except Exception:  # noqa: BLE001 - display only
+                return None
+
+    def _print_notices(self, timeout: float = 10) -> None:
+        """Print the notices not printed yet."""
+        with self._notice_lock:
+            new = self._ask("get_notices", self._notices_seen, timeout=timeout)
+            if new is None:
                 return
             for n in new:
                 print(f"elastic-ddp: warning: {n['message']}", file=sys.stderr, flush=True)
             self._notices_seen += len(new)
 
     def _loop(self) -> None:
-        import ray
 
         tty = self.show and sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
         bar = task = None
@@ -348,9 +366,8 @@ class ProgressDisplay:
                 self._print_notices()
                 if not self.show:
                     continue
-                try:
-                    m = ray.get(self.tracker.progress.remote(), timeout=10)
-                except Exception:  # noqa: BLE001 - display only
+                m = self._ask("progress", timeout=10)
+                if m is None:
                     continue
                 step = int(m.get("step", 0))
                 if step == 0:
