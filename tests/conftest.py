@@ -9,10 +9,25 @@ config helper puts a real sqlite MLflow store under ``tmp_path``.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+
+# No auto-connect in the test process: Ray reads RAY_ENABLE_AUTO_CONNECT once, as it is
+# imported. A thread that outlives its test (the job thread of a test that failed while
+# its job ran on) would otherwise connect again on its next Ray call after the fixture's
+# ray.shutdown(), and every later module's ray.init would then fail as "called twice";
+# with it off, that call raises in the leaked thread alone. The variable is removed again
+# at once, so the CLI subprocesses and Ray's workers start with the environment as given.
+if "ray" not in sys.modules and "RAY_ENABLE_AUTO_CONNECT" not in os.environ:
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    try:
+        import ray  # noqa: F401
+    finally:
+        del os.environ["RAY_ENABLE_AUTO_CONNECT"]
 
 
 def _deep_update(base: dict, extra: dict) -> dict:
