@@ -350,7 +350,6 @@ class ProgressDisplay:
             self._notices_seen += len(new)
 
     def _loop(self) -> None:
-
         tty = self.show and sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
         bar = task = None
         if tty:
