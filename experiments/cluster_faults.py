@@ -88,17 +88,28 @@ def add_node(cluster, tries: int = 3, **kw):
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, **init) -> Iterator:
+def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: bool = False,
+                  **init) -> Iterator:
     """A ``ray.cluster_utils.Cluster``: a head with ``head_cpus`` logical CPUs (the
     driver's tasks, the Ray Train controller) and ``nodes`` worker nodes of ``node_cpus``,
     this driver connected to it (``init``: more ``ray.init`` arguments); shut down on
-    exit. Logical CPUs: what Ray schedules by, not cores the processes are bound to."""
+    exit. Logical CPUs: what Ray schedules by, not cores the processes are bound to.
+
+    ``ray_metrics``: Ray's own metrics collection (off by default). Why off: while a
+    placement-group bundle of a removed node cannot be placed again (a per-step job that
+    lost a node and has no spare one), Ray's GCS retries it without backoff, a busy loop
+    of one core until a node joins (ray-project/ray#18651, #65007), and with metrics on
+    the head's metrics agent ingests the loop's scheduling metrics on a second core. On
+    a real cluster both run on the head; here every node shares the same cores with the
+    training workers, which Ray runs at niceness 15 (below the GCS and the agent), and a
+    replacement worker's start took minutes instead of seconds."""
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster()
     try:
-        add_node(cluster, num_cpus=head_cpus, include_dashboard=False)
+        add_node(cluster, num_cpus=head_cpus, include_dashboard=False,
+                 **({} if ray_metrics else {"_system_config": {"enable_metrics_collection": False}}))
         for _ in range(nodes):
             add_node(cluster, num_cpus=node_cpus)
         cluster.wait_for_nodes()
