@@ -101,6 +101,8 @@ def test_per_step_a_replica_killed_while_its_peer_waits_for_capacity_restarts_on
     except TimeoutError:
         pytest.fail(f"no replica trained within {RESUME_S} s of the kill with its node still up: "
                     "the controller waited for the removed node's capacity")
+    first = min((r["t"] for r in _commits_after(ledger, t_killed, started_after=t_killed)), default=None)
+    print(f"the replacement's first commit: {first - t_killed:.1f} s after the kill" if first else "")
     th.join(600)
     assert not th.is_alive(), "training did not finish in 10 minutes with one node left"
     if "error" in result:
