@@ -31,9 +31,10 @@ STEPS = 23 * EPOCHS  # ceil(1437 / 64) an epoch
 SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.15}
 # With the lost replica's bundle unplaceable, the live node's replacement is placed at
 # once; Ray Train's own controller waits for a node to join, which never happens here, so
-# without the placement this fails whatever the limit. The limit covers the replacement's
-# cold start on a loaded 2-core machine: a new worker process's imports (torch's optimizer
-# imports torch._dynamo on first use) and its train context take a minute and more there.
+# without the placement this fails whatever the limit. The replacement trains seconds
+# after the kill; the limit leaves room for a loaded 2-core machine, where Ray's GCS loops
+# on the removed node's bundle at a higher priority than the workers (with Ray's metrics
+# on, as local_cluster does not run it, its start took over a minute: docs/troubleshooting.md).
 RESUME_S = 300
 
 
