@@ -34,7 +34,7 @@ SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.15}
 # without the placement this fails whatever the limit. The replacement trains seconds
 # after the kill; the limit leaves room for a loaded 2-core machine, where Ray's GCS loops
 # on the removed node's bundle at a higher priority than the workers (with Ray's metrics
-# on, as local_cluster does not run it, its start took over a minute: docs/troubleshooting.md).
+# on, which local_cluster turns off, its start took over a minute: docs/troubleshooting.md).
 RESUME_S = 300
 
 
