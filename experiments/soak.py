@@ -15,8 +15,7 @@ What it does:
    each). A training worker asks for 2 logical CPUs, so a node holds one worker and a
    worker never lands on the head: removing a node removes a rank. Each worker runs one
    torch thread: the job needs two cores whatever the node count. Ray's own metrics
-   collection is off (``cluster_faults.local_cluster``: while a lost bundle has no node,
-   Ray's GCS busy-loops and the metrics agent would take the workers' second core).
+   collection is off (why: ``cluster_faults.local_cluster``).
 2. The job: ``experiments/configs/bench_gpt.yaml`` (a 2-layer byte-level GPT, global
    batch 32, steps of a few hundred ms on one core) with a checkpoint every 20 steps,
    ``min_workers=1``, ``max_workers=2``, unlimited restarts and preemptions, the sample
