@@ -246,6 +246,28 @@ def _ledger_processes(ledger_dir: Path) -> list[dict]:
     return out
 
 
+def ledger_goodput(procs: list[dict], t0: float, t1: float) -> Optional[float]:
+    """Goodput of the window [``t0``, ``t1``) (seconds since the epoch) from the ledger
+    (:func:`_ledger_processes`): the seconds of the steps the job kept (each step
+    number's last training; earlier ones were recomputed) that ended in the window, over
+    the window's length. A step's seconds: the gap from its process's previous step (a
+    process's first step, which carries its start, and gaps over 5x the median, the
+    epoch-end evaluations, count as not training). The product's goodput counts the
+    whole run, start-up and the fault-free end included; this one isolates the faults'
+    window. None for an empty window."""
+    last: dict[int, tuple[float, Optional[float]]] = {}  # step -> (t, seconds) of its last training
+    for p in procs:
+        seq = sorted(p["steps"])
+        for prev, (t, step) in zip([None, *seq], seq):
+            if step not in last or last[step][0] < t:
+                last[step] = (t, t - prev[0] if prev is not None and prev[1] == step - 1 else None)
+    gaps = [d for _, d in last.values() if d is not None]
+    if t1 <= t0 or not gaps:
+        return None
+    cap = 5 * statistics.median(gaps)
+    return sum(d for t, d in last.values() if t0 <= t < t1 and d is not None and d <= cap) / (t1 - t0)
+
+
 RESTART_EVENTS = ("failure", "preemption", "resize")
 
 
@@ -448,6 +470,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"of {len(with_notice)} recomputed 0 steps")
     print(f"wall {wall:.0f} s  goodput {s.goodput:.1%} (committed training-step time / wall time)  "
           f"steps {s.steps}  restarts {s.restarts}  world sizes {s.world_sizes_seen}")
+    procs = _ledger_processes(ledger)
+    g_all, g_faults = ledger_goodput(procs, t0, t0 + wall), ledger_goodput(procs, t_faults, t_faults_end)
+    print(f"goodput from the ledger: {g_faults:.1%} during the faults, {g_all:.1%} over the wall time "
+          f"(the job's own {s.goodput:.1%}; soak.ledger_goodput)")
     print("restart events (the run's own record):")
     for e in events:
         print(f"  {e['type']:10s} {str(e['source'] or ''):8s} ws {e['world_size_before']}->{e['world_size_after']} "
@@ -464,7 +490,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"val_loss {val} (no uninterrupted run)")
     figures = {"args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
                "epochs": epochs, "wall_s": wall, "faults_s": t_faults_end - t_faults,
-               "goodput": s.goodput, "steps": s.steps, "restarts": s.restarts,
+               "goodput": s.goodput, "goodput_faults_ledger": g_faults, "goodput_ledger": g_all,
+               "t0": t0, "t_faults": t_faults, "t_faults_end": t_faults_end, "steps": s.steps, "restarts": s.restarts,
                "world_sizes_seen": s.world_sizes_seen, "faults": rows, "events": events,
                "audit": {"ok": report["ok"], "problems": report.get("problems", []),
                          "per_epoch": {ep: {k: e[k] for k in ("steps", "repeated", "lost", "unknown")}

@@ -138,6 +138,19 @@ def test_per_fault_costs_of_a_per_step_ledger(soak, tmp_path):
     assert 0.2 <= row["recovery_s"] < 1.0 and row["stall_s"] is not None, row
 
 
+def test_ledger_goodput_counts_the_kept_steps_in_the_window(soak):
+    """Process A trains steps 1-10 (0.1 s apart, an evaluation's 2 s before step 5) and
+    dies; B resumes from step 5 and trains 6-15. Kept: A's 2-5 and B's 7-15 (A's 6-10
+    were recomputed; a process's first step and the evaluation's gap are not training):
+    3 + 9 gaps of 0.1 s."""
+    a = [(0.1 * s + (2.0 if s >= 5 else 0.0), s) for s in range(1, 11)]
+    b = [(4.0 + 0.1 * (s - 6), s) for s in range(6, 16)]
+    procs = [{"t": 0.0, "steps": a}, {"t": 3.9, "steps": b}]
+    assert soak.ledger_goodput(procs, 0.0, 10.0) == pytest.approx(1.2 / 10.0)
+    assert soak.ledger_goodput(procs, 4.05, 5.0) == pytest.approx(0.9 / 0.95)  # B's 7-15 only
+    assert soak.ledger_goodput(procs, 5.0, 5.0) is None
+
+
 @pytest.mark.slow
 def test_a_short_soak_in_restart_mode_audits_clean_and_exits_0(pycode_data, tmp_path):
     """About 75 s of faults (a SIGTERM, a SIGKILL, a drain, a node removed or added) on a
