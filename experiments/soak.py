@@ -31,7 +31,8 @@ What it does:
    ``add`` a node. Between 1 and ``--nodes`` worker nodes stay up (``add`` is drawn
    twice as often as each removal, so the cluster refills).
 4. Runs the same job uninterrupted (same config and samples) on the full cluster:
-   ``--baseline after`` (default), ``before``, or ``none``.
+   ``--baseline after`` (default), ``before``, or ``none``; ``--baseline only --epochs N
+   --against soak-*.json`` runs it alone later and compares the soaks' val_loss with it.
 5. Prints, per fault kind: how many; how many restarted something (a restart event of
    the run, a failure, preemption or resize, follows the fault; a spare node removed or
    a node added while the job runs at its maximum size restart nothing); recovery
@@ -129,8 +130,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--nodes", type=int, default=3, help="worker nodes at most (and at the start)")
     ap.add_argument("--epochs", type=int, default=None, help="default: from a calibration run")
     ap.add_argument("--data", default=str(ROOT / "data/pycode_bench"), help="a pycode data set (train/, val/)")
-    ap.add_argument("--baseline", choices=("after", "before", "none"), default="after",
-                    help="when to run the uninterrupted job")
+    ap.add_argument("--baseline", choices=("after", "before", "none", "only"), default="after",
+                    help="when to run the uninterrupted job (only: it alone, no faults; needs --epochs)")
+    ap.add_argument("--against", nargs="*", default=[],
+                    help="with --baseline only: soak JSON files whose val_loss to compare with it")
     ap.add_argument("--val-rtol", type=float, default=1e-3,
                     help="relative tolerance of the final val_loss against the uninterrupted run's")
     ap.add_argument("--seed", type=int, default=0, help="seeds the fault schedule")
@@ -139,6 +142,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.nodes < 2:
         ap.error("--nodes must be 2 or more (a node can only leave when another stays)")
+    if args.baseline == "only" and args.epochs is None:
+        ap.error("--baseline only needs --epochs (the soak's, printed in its header and JSON)")
+    if args.against and args.baseline != "only":
+        ap.error("--against goes with --baseline only")
     return args
 
 
@@ -387,6 +394,33 @@ def calibrate(args: argparse.Namespace, out: Path, stamp: str) -> float:
     return (len(ts) - 1) / max(1e-9, ts[-1] - ts[0])
 
 
+def report_baseline(args: argparse.Namespace, s, out: Path, stamp: str) -> int:
+    """``--baseline only``: the uninterrupted job's figures, and its val_loss against each
+    ``--against`` soak JSON's (relative difference, within ``--val-rtol`` or not).
+    Exit status 0 when every one is within it."""
+    val = s.metrics.get("val_loss")
+    print(f"\n==== the uninterrupted job: {args.mode} mode, {args.epochs} epochs ====\n"
+          f"wall {s.wall_s:.0f} s  goodput {s.goodput:.1%}  steps {s.steps}  world sizes "
+          f"{s.world_sizes_seen}  val_loss {val!r}")
+    ok = val is not None
+    for f in args.against:
+        soaked = json.loads(Path(f).read_text())
+        v = soaked.get("val_loss")
+        if soaked.get("epochs") != args.epochs or v is None or val is None:
+            print(f"{f}: not comparable ({soaked.get('epochs')} epochs, val_loss {v})")
+            ok = False
+            continue
+        rel = abs(v - val) / max(1e-12, abs(val))
+        ok &= rel <= args.val_rtol
+        print(f"{f} ({soaked['args']['mode']} mode): val_loss {v:.6f}: relative difference {rel:.1e} "
+              f"({'within' if rel <= args.val_rtol else 'OUTSIDE'} {args.val_rtol:.0e})")
+    path = out / f"soak-baseline-{args.mode}-{stamp}.json"
+    path.write_text(json.dumps({"epochs": args.epochs, "wall_s": s.wall_s, "goodput": s.goodput,
+                                "steps": s.steps, "val_loss": val, "against": args.against}, indent=1))
+    print(f"(figures in {path})")
+    return 0 if ok else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -409,6 +443,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[soak] calibration: {rate:.2f} steps/s uninterrupted -> {epochs} epochs of "
                   f"{steps_per_epoch} steps", flush=True)
         baseline = None
+        if args.baseline == "only":
+            return report_baseline(args, train(job_config(args, out, f"soak-baseline-{args.mode}-{stamp}", epochs),
+                                               progress=False), out, stamp)
         if args.baseline == "before":
             baseline = train(job_config(args, out, f"soak-baseline-{args.mode}-{stamp}", epochs), progress=False)
         ledger = out / "ledger" / f"soak-{args.mode}-{stamp}"

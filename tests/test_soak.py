@@ -64,12 +64,40 @@ def test_the_arguments(soak, capsys):
         "restart", 3600.0, 30.0, 20.0, soak.KINDS, 3, "after")
     a = soak.parse_args(["--mode", "per_step", "--kinds", "drain, sigkill", "--duration", "90"])
     assert (a.mode, a.kinds, a.duration) == ("per_step", ("sigkill", "drain"), 90.0)
-    for bad in (["--kinds", "sigkill,reboot"], ["--kinds", ","], ["--mode", "torchrun"], ["--nodes", "1"]):
+    for bad in (["--kinds", "sigkill,reboot"], ["--kinds", ","], ["--mode", "torchrun"], ["--nodes", "1"],
+                ["--baseline", "only"], ["--against", "x.json"]):
         with pytest.raises(SystemExit) as e:
             soak.parse_args(bad)
         assert e.value.code == 2, bad
     err = capsys.readouterr().err
     assert "reboot" in err and "--nodes must be 2 or more" in err
+    assert "--baseline only needs --epochs" in err and "--against goes with --baseline only" in err
+
+
+def test_the_uninterrupted_job_alone_against_soaks(soak, tmp_path, capsys):
+    """``--baseline only``: each soak JSON's val_loss against the uninterrupted job's; one
+    outside the tolerance, or of another length, makes the exit status 1."""
+    import json
+
+    from elastic_ddp.driver.report import Summary
+
+    s = Summary(run_id="r", tracking_uri="", experiment_id="0", metrics={"val_loss": 2.0}, steps=1382,
+                epochs=2, wall_s=300.0, world_sizes_seen=[2], restarts=0, goodput=0.9)
+
+    def soaked(name, val, epochs=2):
+        f = tmp_path / name
+        f.write_text(json.dumps({"epochs": epochs, "val_loss": val, "args": {"mode": "restart"}}))
+        return str(f)
+
+    close, far, longer = soaked("a.json", 2.0 + 1e-4), soaked("b.json", 2.1), soaked("c.json", 2.0, epochs=3)
+    args = soak.parse_args(["--baseline", "only", "--epochs", "2", "--against", close])
+    assert soak.report_baseline(args, s, tmp_path, "x") == 0
+    args = soak.parse_args(["--baseline", "only", "--epochs", "2", "--against", close, far, longer])
+    assert soak.report_baseline(args, s, tmp_path, "y") == 1
+    out = capsys.readouterr().out
+    assert "5.0e-05 (within 1e-03)" in out and "5.0e-02 (OUTSIDE 1e-03)" in out, out
+    assert "c.json: not comparable (3 epochs" in out, out
+    assert json.loads((tmp_path / "soak-baseline-restart-y.json").read_text())["val_loss"] == 2.0
 
 
 def _steps(writer, epoch: int, steps, quorum=None, n=None) -> None:
