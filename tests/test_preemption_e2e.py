@@ -182,6 +182,16 @@ def _finished(th, result):
     return s
 
 
+def _drain(cluster, node_id: str, deadline_s: int) -> None:
+    """``ray drain-node`` of ``node_id`` with a ``deadline_s`` deadline, as the autoscaler
+    and KubeRay drain a node before a preemption."""
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                          "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                          "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds",
+                          str(deadline_s)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, data, baseline, tmp_path):
     """The node of one worker is drained with a 20 s deadline (and removed when it
     passes, as a cloud would): every rank learns it at a step boundary, the checkpoint
@@ -194,11 +204,7 @@ def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, dat
     assert th.is_alive(), result
     node_id = sorted(w["node_id"] for w in _workers())[0]
     t_drain = time.time()
-    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
-                          "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                          "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "20"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _drain(cluster, node_id, 20)
     # The reclaim: the node goes when its deadline passes.
     wait_until(lambda: time.time() > t_drain + 20, 60)
     node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
@@ -212,6 +218,46 @@ def test_a_node_drained_with_a_20s_deadline_mid_epoch_costs_no_step(cluster, dat
     assert ev["node_ids"] == [node_id], ev
     assert ev["t"] < t_drain + 20, ev  # committed before the deadline
     add_node(cluster, num_cpus=2)  # the module's next jobs keep their spare node
+
+
+def test_an_elastic_job_without_a_spare_node_shrinks_before_the_drained_node_goes(
+        cluster, data, baseline, tmp_path):
+    """Two worker nodes, an elastic job (1 to 2 workers): one worker's node is drained
+    with a 60 s deadline. The checkpoint at the notice is committed and the job restarts
+    at world size 1 on the other node at once, not once the drained node is gone: Ray
+    Train's view of the nodes still lists it, so a restart sized by that view asks for a
+    worker there and waits (``compat.ray_trainer.count_usable_nodes_only``)."""
+    spare = next(n for n in cluster.worker_nodes)
+    cluster.remove_node(spare)
+    ledger = tmp_path / "ledger"
+    raw = _raw(data, tmp_path, "drained-elastic")
+    raw["scaling"].update(min_workers=1, resize_monitor_interval_s=5)
+    from elastic_ddp.config import Config
+
+    cfg = Config.from_dict(raw)
+    node = None
+    try:
+        th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+                                              progress=False))
+        wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
+        assert th.is_alive(), result
+        node_id = sorted(w["node_id"] for w in _workers())[0]
+        node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+        t_drain = time.time()
+        _drain(cluster, node_id, 60)
+        th.join(max(0.0, t_drain + 60 - time.time()))
+        cluster.remove_node(node)  # the deadline: the node goes
+        node = None
+        s = _finished(th, result)
+        ev = _check(s, baseline, ledger, data, "drain")
+        assert ev["node_ids"] == [node_id] and ev["world_size_after"] == 1, ev
+        # At once, not after the deadline (60 s) and a placement timeout (25 s).
+        assert ev["recovery_s"] < 30, ev
+    finally:
+        if node is not None:
+            cluster.remove_node(node)
+        while len(cluster.worker_nodes) < 3:  # the module's next jobs keep their spare node
+            add_node(cluster, num_cpus=2)
 
 
 def test_sigterm_to_one_worker_is_checkpointed_before_it_exits(cluster, data, baseline, tmp_path):
@@ -346,11 +392,7 @@ def test_per_step_a_node_drained_with_a_20s_deadline_loses_its_replica_at_a_step
     assert th.is_alive(), result
     node_id = sorted(w["node_id"] for w in _workers())[0]
     t_drain = time.time()
-    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
-                          "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                          "--reason-message", "spot reclaim (test)", "--deadline-remaining-seconds", "20"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _drain(cluster, node_id, 20)
     wait_until(lambda: time.time() > t_drain + 20, 60)
     node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
     cluster.remove_node(node)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 # Read only by the Ray Train controller (its health checks and worker-group starts, in its
 # own process), never by a worker; set by launcher.build_trainer or by the user.
@@ -75,6 +76,8 @@ def _controller_class():
             host_preemption_watcher(self._worker_group_callbacks_to_propagate)
             from elastic_ddp.compat.versions import ray_plan
 
+            if ray_plan().applies("usable_node_count"):
+                count_usable_nodes_only(self._scaling_policy)
             # Replica groups (per_step mode) whose replacement waits for capacity.
             self._capacity_wait = ray_plan().applies("replica_group_capacity")
             self._waiting: set[int] = set()
@@ -164,6 +167,64 @@ def set_aside_replica_group(worker_group, index: int) -> None:
         group.shutdown()
 
 
+def usable_nodes() -> set:
+    """The ids (hex) of the nodes that are alive and not being drained now: two GCS calls
+    (``ray.nodes``; the draining nodes, ``compat.ray_train.draining_nodes``).
+
+    Raises: what the GCS calls raise."""
+    import ray
+
+    from elastic_ddp.compat.ray_train import draining_nodes
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")} - draining_nodes()
+
+
+def count_usable_nodes_only(policy) -> bool:
+    """Make Ray Train's elastic scaling ``policy`` size a new worker group on the nodes
+    that are alive and not being drained now (:func:`usable_nodes`, asked at each
+    decision); True when it was changed (False: a policy without those methods, or
+    changed already).
+
+    Ray Train 2.60's ``ElasticScalingPolicy`` counts the workers that fit on the nodes Ray
+    Data's ``AutoscalingCoordinator`` reserved for it, and that view lists every node
+    ``ray.nodes()`` calls alive, refreshed every 20 s: a node being drained stays in it
+    until it is gone, and a removed one up to 20 s longer. After a drain's checkpoint or
+    a node's loss the restart then asks for a worker there; its placement group cannot
+    be placed, and the attempt waits ``scaling.placement_timeout_s`` (25 s) before a
+    retry, which asks the same while the drained node lives: with no spare node, the
+    restart waits out the drain's deadline and more. Only the decision for a group that
+    is not running is changed: a running group on a draining node leaves through its
+    notice's checkpoint, not through a resize from the last periodic one. Costs two GCS
+    calls per decision while no group runs."""
+    count = getattr(policy, "_count_possible_workers", None)
+    decide = getattr(policy, "make_decision_for_non_running_worker_group", None)
+    if count is None or decide is None or getattr(decide, "_elastic_ddp", False):
+        return False
+    deciding = threading.local()
+
+    def counted(reserved: dict) -> int:
+        if getattr(deciding, "on", False):
+            try:
+                usable = usable_nodes()
+            except Exception:  # noqa: BLE001 - the GCS did not answer: Ray's own count
+                usable = None
+            if usable is not None:
+                reserved = {node: r for node, r in reserved.items() if node in usable}
+        return count(reserved)
+
+    def decision():
+        deciding.on = True
+        try:
+            return decide()
+        finally:
+            deciding.on = False
+
+    decision._elastic_ddp = True
+    policy._count_possible_workers = counted
+    policy.make_decision_for_non_running_worker_group = decision
+    return True
+
+
 def replica_groups_without_capacity(worker_group, indices: set) -> set:
     """Of the replica groups ``indices`` of ``worker_group``, those a replacement could not
     start for now: a placement-group bundle of theirs is on no live node, or on a node
@@ -172,16 +233,12 @@ def replica_groups_without_capacity(worker_group, indices: set) -> set:
 
     Raises: nothing; with the GCS not answering, every group counts as placeable (the
     replacement then waits as Ray Train's does)."""
-    import ray
     from ray.util.placement_group import placement_group_table
 
     try:
         pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
         where = placement_group_table(pg).get("bundles_to_node_id", {})
-        usable = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        from elastic_ddp.compat.ray_train import draining_nodes
-
-        usable -= draining_nodes()
+        usable = usable_nodes()
         groups = worker_group._replica_groups
     except Exception:  # noqa: BLE001 - see Raises
         return set()
