@@ -180,48 +180,57 @@ def usable_nodes() -> set:
 
 
 def count_usable_nodes_only(policy) -> bool:
-    """Make Ray Train's elastic scaling ``policy`` size a new worker group on the nodes
-    that are alive and not being drained now (:func:`usable_nodes`, asked at each
-    decision); True when it was changed (False: a policy without those methods, or
-    changed already).
+    """Make Ray Train's elastic scaling ``policy`` count only the nodes that are alive
+    and not being drained now (:func:`usable_nodes`, asked at each decision); True when
+    it was changed (False: a policy without those methods, or changed already).
 
     Ray Train 2.60's ``ElasticScalingPolicy`` counts the workers that fit on the nodes Ray
     Data's ``AutoscalingCoordinator`` reserved for it, and that view lists every node
     ``ray.nodes()`` calls alive, refreshed every 20 s: a node being drained stays in it
     until it is gone, and a removed one up to 20 s longer. After a drain's checkpoint or
-    a node's loss the restart then asks for a worker there; its placement group cannot
-    be placed, and the attempt waits ``scaling.placement_timeout_s`` (25 s) before a
-    retry, which asks the same while the drained node lives: with no spare node, the
-    restart waits out the drain's deadline and more. Only the decision for a group that
-    is not running is changed: a running group on a draining node leaves through its
-    notice's checkpoint, not through a resize from the last periodic one. Costs two GCS
-    calls per decision while no group runs."""
+    a node's loss, a restart sized by it asks for a worker there, and so does the resize
+    monitor's grow of the smaller group that runs meanwhile; the placement group cannot
+    be placed, the attempt fails after ``scaling.placement_timeout_s`` (25 s) and is
+    retried, again and again while the drained node lives. Here a group that is not
+    running is sized on the usable nodes, and a running one grows only onto them; a
+    running group is never shrunk by this count (a group on a draining node leaves
+    through its notice's checkpoint, not a resize from the last periodic one). Costs two
+    GCS calls per decision."""
     count = getattr(policy, "_count_possible_workers", None)
-    decide = getattr(policy, "make_decision_for_non_running_worker_group", None)
-    if count is None or decide is None or getattr(decide, "_elastic_ddp", False):
+    idle = getattr(policy, "make_decision_for_non_running_worker_group", None)
+    running = getattr(policy, "make_decision_for_running_worker_group", None)
+    if None in (count, idle, running) or getattr(idle, "_elastic_ddp", False):
         return False
-    deciding = threading.local()
+    deciding = threading.local()  # .on: inside a decision; .size: the running group's workers
 
     def counted(reserved: dict) -> int:
-        if getattr(deciding, "on", False):
-            try:
-                usable = usable_nodes()
-            except Exception:  # noqa: BLE001 - the GCS did not answer: Ray's own count
-                usable = None
-            if usable is not None:
-                reserved = {node: r for node, r in reserved.items() if node in usable}
-        return count(reserved)
-
-    def decision():
-        deciding.on = True
+        if not getattr(deciding, "on", False):
+            return count(reserved)
         try:
-            return decide()
-        finally:
-            deciding.on = False
+            usable = usable_nodes()
+        except Exception:  # noqa: BLE001 - the GCS did not answer: Ray's own count
+            return count(reserved)
+        n = count({node: r for node, r in reserved.items() if node in usable})
+        size = getattr(deciding, "size", None)
+        return n if size is None or n >= size else min(size, count(reserved))
 
-    decision._elastic_ddp = True
+    def decide(fn, size, *args):
+        deciding.on, deciding.size = True, size
+        try:
+            return fn(*args)
+        finally:
+            deciding.on, deciding.size = False, None
+
+    def idle_decision():
+        return decide(idle, None)
+
+    def running_decision(worker_group_state, worker_group_status):
+        return decide(running, worker_group_state.num_workers, worker_group_state, worker_group_status)
+
+    idle_decision._elastic_ddp = True
     policy._count_possible_workers = counted
-    policy.make_decision_for_non_running_worker_group = decision
+    policy.make_decision_for_non_running_worker_group = idle_decision
+    policy.make_decision_for_running_worker_group = running_decision
     return True
 
 
