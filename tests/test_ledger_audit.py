@@ -118,3 +118,24 @@ def test_a_per_step_job_restarted_from_its_durable_checkpoint_recomputes_not_rep
         f.write(json.dumps({"commit": 6, "epoch": 0, "t": time.time(), "quorum": 4, "n": 1}) + "\n")
     bad = audit(tmp_path, range(12), 1)
     assert not bad["ok"] and bad["problems"] == ["step 6 committed by quorums [3, 4]"], bad["problems"]
+
+
+def test_a_rank_killed_mid_step_differs_only_in_a_recomputed_step(tmp_path):
+    """Rank 1 logs step 3 and rank 0 dies before it does; the next attempt resumes from
+    step 2: the ranks agree on every committed step (ok). Had the next attempt resumed
+    from step 3, the step rank 0 never logged would be committed: not ok."""
+    _ledger(tmp_path, "a", 0, [{"epoch": 0, "step": 1, "ids": [0, 1]}, {"epoch": 0, "step": 2, "ids": [4, 5]}])
+    _ledger(tmp_path, "a", 1, [{"epoch": 0, "step": 1, "ids": [2, 3]}, {"epoch": 0, "step": 2, "ids": [6, 7]},
+                               {"epoch": 0, "step": 3, "ids": [10, 11]}])
+    with open(tmp_path / "attempt-9-b-rank0.jsonl", "w") as f:
+        f.write(json.dumps({"header": True, "attempt": "b", "rank": 0, "world_size": 1,
+                            "resumed_from": 2, "t": 5.0}) + "\n")
+        f.write(json.dumps({"epoch": 0, "step": 3, "ids": [8, 9, 10, 11]}) + "\n")
+    r = audit(tmp_path, range(12), 1)
+    assert r["ok"] and r["attempts"][0]["ranks_equal"], format_audit(r)
+    assert r["attempts"][0]["recomputed_steps"] == 1 and r["attempts"][0]["committed_steps"] == 2
+    with open(tmp_path / "attempt-9-b-rank0.jsonl", "w") as f:
+        f.write(json.dumps({"header": True, "attempt": "b", "rank": 0, "world_size": 1,
+                            "resumed_from": 3, "t": 5.0}) + "\n")
+    bad = audit(tmp_path, range(12), 1)
+    assert not bad["ok"] and not bad["attempts"][0]["ranks_equal"]

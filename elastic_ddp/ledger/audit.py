@@ -34,7 +34,7 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
         ``lost`` the data set's ids no committed step used, ``unknown`` ids not in the
         data set, ``skipped`` the ids of committed steps that were skipped (consumed, not
         learned from: neither lost nor repeated); ``ok`` is repeated, lost and unknown
-        zero for every epoch, equal step counts across ranks in every attempt, and the same
+        zero for every epoch, equal committed step counts across ranks in every attempt, and the same
         skipped steps on every rank of an attempt.
 
     Raises:
@@ -58,9 +58,12 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
         else:
             limit = attempts[i + 1].resumed_from
         per_epoch: dict[int, dict[int, int]] = defaultdict(dict)
-        n_committed = n_recomputed = 0
+        n_committed = 0
+        recomputed: set[int] = set()  # steps any rank logged past the commit point
         for rank, rows in sorted(a.steps.items()):
-            counts: Counter = Counter(ep for ep, _, _ in rows)
+            # Committed steps only: a rank killed mid-step (its node removed) may miss
+            # the last step its peers logged, which the next attempt recomputes.
+            counts: Counter = Counter(ep for ep, step, _ in rows if limit is None or step <= limit)
             for ep, n in counts.items():
                 per_epoch[ep][rank] = n
             for ep, step, ids in rows:
@@ -72,8 +75,9 @@ def audit(ledger_dir: str | Path, all_ids: Iterable[int], epochs: int | Iterable
                     if rank == min(a.steps):
                         n_committed += 1
                     committed_steps[ep].add(step)
-                elif rank == min(a.steps):
-                    n_recomputed += 1
+                else:
+                    recomputed.add(step)
+        n_recomputed = len(recomputed)
         ranks_equal = (len(a.steps) == a.world_size and all(
             len(set(r.values())) == 1 and len(r) == a.world_size for r in per_epoch.values()))
         # A rank may die mid-step: compare the skips over the steps every rank recorded.
