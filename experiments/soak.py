@@ -319,7 +319,7 @@ def per_fault(faults: list[Fault], events: list[dict], ledger_dir: Path, mode: s
     shares = {sq for p in procs for sq in p["shares"]}
     redone = [first[s][0] for s, q in shares if (s, q) not in commit_t and s in first]
     redone += [t for (s, q), t in commit_t.items() if first[s][1] != q]
-    rows = []
+    rows, charged = [], set()
     for i, (f, evs) in enumerate(zip(faults, fault_events(faults, events))):
         nxt = faults[i + 1].t if i + 1 < len(faults) else end_t
         recovery = stall = None
@@ -333,7 +333,11 @@ def per_fault(faults: list[Fault], events: list[dict], ledger_dir: Path, mode: s
             stall = max((b - a for a, b in zip(times, times[1:]) if b > f.t and a < hi), default=None)
             if mode == "restart":
                 r = recomputed_after(attempts, t_ev)
-                recomputed = r["steps_recomputed"] if r is not None else 0
+                # An attempt's steps count once: a fault during a restart's start (its
+                # new group failed before training) finds the attempt the restart ended.
+                if r is not None and r["attempt"] not in charged:
+                    charged.add(r["attempt"])
+                    recomputed = r["steps_recomputed"]
         if mode != "restart":
             recomputed = sum(f.t <= t < nxt for t in redone)
         rows.append({**asdict(f), "recovery_s": recovery, "stall_s": stall, "steps_recomputed": recomputed,

@@ -111,8 +111,8 @@ def _steps(writer, epoch: int, steps, quorum=None, n=None) -> None:
 
 def test_per_fault_costs_of_a_restart_mode_ledger(soak, tmp_path):
     """A SIGKILL at step 7 (checkpoint at 5), a failure event after it: the next attempt
-    resumes from 5, so 2 steps are recomputed; a node added later, no event, restarted
-    nothing."""
+    resumes from 5, so 2 steps are recomputed, charged to the kill alone; a node added
+    later, no event, restarted nothing."""
     from elastic_ddp.ledger import LedgerWriter
 
     w = LedgerWriter(str(tmp_path), 0, 0, 1)
@@ -120,18 +120,23 @@ def test_per_fault_costs_of_a_restart_mode_ledger(soak, tmp_path):
     w.close()
     kill = soak.Fault("sigkill", time.time(), time.time(), "pid 1", 3)
     failure = {"type": "failure", "t": kill.t + 0.05}
+    # A SIGTERM to a worker of the restart's group while it starts: that start fails, and
+    # the attempt it finds is the one the kill ended, whose steps are the kill's.
+    term = soak.Fault("sigterm", kill.t + 0.1, kill.t + 0.1, "pid 2", 3)
+    start_failed = {"type": "failure", "t": kill.t + 0.12}
     time.sleep(0.2)
     w = LedgerWriter(str(tmp_path), 0, 5, 1)
     time.sleep(0.1)
     _steps(w, 0, range(6, 11))
     w.close()
     add = soak.Fault("add", time.time(), time.time(), "node x", 3)
-    events = [failure, {"type": "checkpoint_rejected", "t": add.t + 0.01}]  # not a restart
-    assert soak.fault_events([kill, add], events) == [[failure], []]
-    rows = soak.per_fault([kill, add], events, tmp_path, "restart", time.time() + 1)
-    k, a = rows
+    events = [failure, start_failed, {"type": "checkpoint_rejected", "t": add.t + 0.01}]  # not a restart
+    assert soak.fault_events([kill, term, add], events) == [[failure], [start_failed], []]
+    rows = soak.per_fault([kill, term, add], events, tmp_path, "restart", time.time() + 1)
+    k, t, a = rows
     assert k["steps_recomputed"] == 2 and 0.3 <= k["recovery_s"] < 1.0, k
     assert k["stall_s"] >= k["recovery_s"] > 0, k
+    assert t["steps_recomputed"] == 0 and t["recovery_s"] is not None, t
     assert (a["recovery_s"], a["stall_s"], a["steps_recomputed"]) == (None, None, 0), a
     table = soak.format_table(rows)
     assert "worker SIGKILL" in table and "node added" in table and "2 / 2" in table, table
