@@ -79,10 +79,11 @@ OVERRIDES: tuple[Override, ...] = (
              "the lost node's replacement until a node joins)",
              tested=("2.60.0",)),
     Override("usable_node_count", "usable-node count of a restart (compat.ray_trainer)",
-             "an elastic job's restart after a drain or a node's loss asks for the workers that "
-             "fit on the nodes alive and not draining now (Ray Train's view of the nodes keeps a "
-             "draining node until it is gone and a removed one up to 20 s: the restart's placement "
-             "group waits for it, scaling.placement_timeout_s at a time)",
+             "an elastic job's restart after a drain or a node's loss, and a running group's "
+             "grow, ask for the workers that fit on the nodes alive and not draining now (Ray "
+             "Train's view of the nodes keeps a draining node until it is gone and a removed one "
+             "up to 20 s: a start sized by it waits for a worker there, "
+             "scaling.placement_timeout_s at a time)",
              tested=("2.60.0",)),
 )
 
