@@ -226,7 +226,7 @@ def test_an_elastic_job_without_a_spare_node_shrinks_before_the_drained_node_goe
     with a 60 s deadline. The checkpoint at the notice is committed and the job restarts
     at world size 1 on the other node at once, not once the drained node is gone: Ray
     Train's view of the nodes still lists it, so a restart sized by that view asks for a
-    worker there and waits (``compat.ray_trainer.count_usable_nodes_only``)."""
+    worker there and waits (``compat.ray_scaling.count_usable_nodes_only``)."""
     spare = next(n for n in cluster.worker_nodes)
     cluster.remove_node(spare)
     ledger = tmp_path / "ledger"

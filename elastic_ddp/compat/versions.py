@@ -78,7 +78,7 @@ OVERRIDES: tuple[Override, ...] = (
              "node at once, and the job ends when the survivors finish (Ray Train blocks on "
              "the lost node's replacement until a node joins)",
              tested=("2.60.0",)),
-    Override("usable_node_count", "usable-node count of a restart (compat.ray_trainer)",
+    Override("usable_node_count", "usable-node count of a restart (compat.ray_scaling)",
              "an elastic job's restart after a drain or a node's loss, and a running group's "
              "grow, ask for the workers that fit on the nodes alive and not draining now (Ray "
              "Train's view of the nodes keeps a draining node until it is gone and a removed one "
