@@ -164,15 +164,31 @@ def _checkout(parent: Path, data: Path) -> Path:
 
 def test_every_listener_of_the_cluster_is_on_loopback(cluster):
     """Every TCP listener of every process of both nodes (GCS, raylets, dashboard, agents,
-    client server, metrics servers, workers) is on 127.0.0.0/8, none on one of Ray's
-    fixed default ports; the cluster dir is private, the token file 0600."""
+    client server, metrics servers, workers) is on 127.0.0.0/8, and none of the processes
+    with a fixed default port (GCS 6379, dashboard 8265 and its metrics 44227, Ray client
+    10001, autoscaler metrics 44217, dashboard agent 52365) is on it; the cluster dir is
+    private, the token file 0600. (Ports the OS picks at bind time may equal another
+    process's default by chance; what collides between instances is a process on its own
+    default.)"""
     from elastic_ddp.driver.local_ray import listeners
 
     found = listeners(cluster.pids())
     names = {name for _, name, _, _ in found}
     assert {"gcs_server", "raylet"} <= names, names
     assert cluster.listeners_outside_loopback() == []
-    assert not {port for *_, port in found} & {6379, 8265, 10001, 44217, 44227, 52365}
+    defaults = {"gcs_server": {6379}, "dashboard/dashboard.py": {8265, 44227},
+                "ray.util.client.server": {10001}, "autoscaler/_private/monitor.py": {44217},
+                "DashboardAgent": {52365}}
+    seen, on_default = set(), []
+    for pid, _, _, port in found:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        for role, ports in defaults.items():
+            if role in cmd:
+                seen.add(role)
+                if port in ports:
+                    on_default.append((role, port))
+    assert seen == set(defaults), f"processes not found: {set(defaults) - seen}"
+    assert on_default == []
     st = cluster.dir.stat()
     assert st.st_uid == os.getuid() and oct(st.st_mode & 0o777) == "0o700"
     assert oct(cluster.token_file.stat().st_mode & 0o777) == "0o600"

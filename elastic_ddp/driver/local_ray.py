@@ -45,13 +45,21 @@ _SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # Metrics servers of the head's autoscaler monitor and dashboard, fixed ports by default;
 # read by those processes at start (they inherit the environment of ray.init's caller).
 _METRIC_PORT_VARS = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+# Ray's fixed default ports (GCS, dashboard, Ray client, autoscaler and dashboard metrics,
+# dashboard agent): a port chosen here is never one of them, or a second instance started
+# with Ray's defaults would collide with it.
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 44217, 44227, 52365})
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on ``host`` right now (bound and released)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` right now (bound and released), never one of
+    ``RAY_DEFAULT_PORTS``."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 def loopback_env() -> dict[str, str]:
