@@ -298,8 +298,9 @@ def per_fault(faults: list[Fault], events: list[dict], ledger_dir: Path, mode: s
     event: the restarted group, or in per-step mode the replacement; None when none
     started), ``stall_s`` (the longest gap between consecutive trained steps of any
     process that overlaps the fault and its recovery), ``steps_recomputed`` (restart
-    mode: steps the attempt running at the event trained past the checkpoint the next one
-    resumed from, ``ledger.recomputed_after``). Per-step mode's ``steps_recomputed``:
+    mode: for each of its events, steps the attempt running then trained past the
+    checkpoint the next one resumed from, ``ledger.recomputed_after``; an attempt counted
+    once). Per-step mode's ``steps_recomputed``:
     steps no quorum committed, or a second quorum committed again, redone after the fault
     and before the next one. A fault without an event: None, None, 0."""
     from elastic_ddp.ledger import read_attempts, recomputed_after
@@ -332,12 +333,15 @@ def per_fault(faults: list[Fault], events: list[dict], ledger_dir: Path, mode: s
             hi = max(f.until, f.t + recovery if recovery is not None else end_t)
             stall = max((b - a for a, b in zip(times, times[1:]) if b > f.t and a < hi), default=None)
             if mode == "restart":
-                r = recomputed_after(attempts, t_ev)
-                # An attempt's steps count once: a fault during a restart's start (its
-                # new group failed before training) finds the attempt the restart ended.
-                if r is not None and r["attempt"] not in charged:
-                    charged.add(r["attempt"])
-                    recomputed = r["steps_recomputed"]
+                # Every restart the fault led to (a removal's failure, then the grow onto
+                # a new node) ends an attempt; each attempt's steps count once: a fault
+                # during a restart's start (its new group failed before training) finds
+                # the attempt that restart ended, already charged to the fault before.
+                for ev in evs:
+                    r = recomputed_after(attempts, ev["t"])
+                    if r is not None and r["attempt"] not in charged:
+                        charged.add(r["attempt"])
+                        recomputed += r["steps_recomputed"]
         if mode != "restart":
             recomputed = sum(f.t <= t < nxt for t in redone)
         rows.append({**asdict(f), "recovery_s": recovery, "stall_s": stall, "steps_recomputed": recomputed,

@@ -142,6 +142,37 @@ def test_per_fault_costs_of_a_restart_mode_ledger(soak, tmp_path):
     assert "worker SIGKILL" in table and "node added" in table and "2 / 2" in table, table
 
 
+def test_a_fault_with_two_restarts_is_charged_both_and_a_start_failure_after_them_none(soak, tmp_path):
+    """A node removed at step 7 (checkpoint at 5): a failure, then the group grows back
+    onto a new node at step 12 (checkpoint at 10), both events the removal's: it is
+    charged 2 + 2 steps. A SIGTERM to the grown group while it starts fails that start,
+    and the attempt it finds is the one the grow ended: 0 steps more."""
+    from elastic_ddp.ledger import LedgerWriter
+
+    def attempt(resumed: int, steps) -> None:
+        w = LedgerWriter(str(tmp_path), 0, resumed, 1)
+        time.sleep(0.05)
+        _steps(w, 0, steps)
+        w.close()
+        time.sleep(0.05)
+
+    attempt(0, range(1, 8))
+    remove = soak.Fault("remove", time.time(), time.time(), "node a", 2)
+    failure = {"type": "failure", "t": remove.t + 0.01}
+    time.sleep(0.05)
+    attempt(5, range(6, 13))
+    grow = {"type": "resize", "t": time.time()}
+    term = soak.Fault("sigterm", grow["t"] + 0.02, grow["t"] + 0.02, "pid 3", 3)
+    start_failed = {"type": "failure", "t": grow["t"] + 0.04}
+    time.sleep(0.1)
+    attempt(10, range(11, 14))
+    events = [failure, grow, start_failed]
+    assert soak.fault_events([remove, term], events) == [[failure, grow], [start_failed]]
+    r, t = soak.per_fault([remove, term], events, tmp_path, "restart", time.time() + 1)
+    assert r["steps_recomputed"] == 4, r
+    assert t["steps_recomputed"] == 0, t
+
+
 def test_per_fault_costs_of_a_per_step_ledger(soak, tmp_path):
     """Replicas 0 and 1 commit steps 1-3 in quorum 1; replica 1 dies in step 4 (its share
     and replica 0's never commit); replica 0 redoes step 4 alone (quorum 2) and the
