@@ -98,16 +98,16 @@ def test_a_block_without_signals_changes_no_handler():
 
 
 def test_a_sigterm_while_ray_init_holds_its_own_handler_still_stops_before_training():
-    """``driver.stop.EarlySigterm``: ``ray.init`` installs ``sys.exit(15)`` as the SIGTERM
+    """``driver.stop.EarlySignals``: ``ray.init`` installs ``sys.exit(15)`` as the SIGTERM
     handler when it starts. A SIGTERM then ends the early block as ``SystemExit(15)``,
     which leaves it as ``StoppedBeforeTraining`` (the CLI's exit 143 and message);
     after ``reinstall`` the early handler raises it directly."""
     p = _run("""
-        from elastic_ddp.driver.stop import EarlySigterm, StoppedBeforeTraining
+        from elastic_ddp.driver.stop import EarlySignals, StoppedBeforeTraining
 
         for reinstall in (False, True):
             try:
-                with EarlySigterm() as early:
+                with EarlySignals() as early:
                     signal.signal(signal.SIGTERM, lambda s, f: sys.exit(s))  # what ray.init does
                     if reinstall:
                         early.reinstall()
@@ -119,3 +119,45 @@ def test_a_sigterm_while_ray_init_holds_its_own_handler_still_stops_before_train
     """)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "['stopped', 'stopped'] True", p.stdout
+
+
+def test_a_signal_swallowed_by_an_at_fork_callback_is_raised_after_the_call():
+    """``driver.stop.EarlySignals``: a Ctrl-C or SIGTERM whose exception is raised inside an
+    at-fork callback (``ray.init`` forks; ``logging`` has such a callback) is printed as
+    "Exception ignored" and dropped by CPython; ``reinstall`` (after ``ray.init``) and
+    ``hand_over`` (before ``fit``) raise it. Without a signal, neither raises, and both
+    handlers are put back."""
+    p = _run("""
+        from elastic_ddp.driver.stop import EarlySignals, StoppedBeforeTraining
+
+        signum = None
+        def deliver():  # runs in the parent after each fork, as logging's _releaseLock does
+            if signum is not None:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.2)  # the handler runs (and raises) here
+
+        os.register_at_fork(after_in_parent=deliver)
+
+        def fork():
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+
+        for signum, then in ((signal.SIGINT, "reinstall"), (signal.SIGTERM, "hand_over"),
+                             (None, "hand_over")):
+            try:
+                with EarlySignals() as early:
+                    fork()
+                    steps.append("forked")
+                    getattr(early, then)()
+                    steps.append("on")
+            except (KeyboardInterrupt, StoppedBeforeTraining) as e:
+                steps.append(type(e).__name__)
+        print(steps, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    assert p.returncode == 0, p.stderr
+    assert "Exception ignored" in p.stderr, p.stderr  # CPython dropped the handler's exception
+    assert p.stdout.strip() == ("['forked', 'KeyboardInterrupt', 'forked', 'StoppedBeforeTraining', "
+                                "'forked', 'on'] True True"), (p.stdout, p.stderr)

@@ -29,7 +29,7 @@ from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, che
                                           check_tracking_store, prepare, process_start_time,
                                           tracking_uri_field, job_spec, warn_batch_over_rows)
 from elastic_ddp.driver.report import ProgressDisplay, Summary
-from elastic_ddp.driver.stop import (EarlySigterm, JobInterrupted, JobStopped,  # noqa: F401 - JobStopped re-exported
+from elastic_ddp.driver.stop import (EarlySignals, JobInterrupted, JobStopped,  # noqa: F401 - JobStopped re-exported
                                      SigtermStop, StoppedBeforeTraining)
 from elastic_ddp.run_state import Diagnostics
 
@@ -274,14 +274,14 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     diagnostics = diagnostics or Diagnostics()
     # SIGTERM before fit (checks, scan, MLflow run creation, Ray start-up) stops the job
     # through the clean-up paths below instead of ending the process mid-write.
-    with EarlySigterm() as early_term:
+    with EarlySignals() as early_term:
         return _train(cfg, task, progress, parent_run_id, command_start, on_validated,
                       diagnostics, early_term)
 
 
 def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
            command_start: Optional[float], on_validated, diagnostics: Diagnostics,
-           early_term: EarlySigterm) -> Summary:
+           early_term: EarlySignals) -> Summary:
     uri = tracking.default_tracking_uri(cfg)
     opener = RunOpener(uri)
     host = tracker = stop = None
@@ -379,7 +379,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         # SIGTERM: a checkpoint, then exit 143 (restart mode: at the notice agreement; per_step
         # mode: the stop rides in a step's all-reduce, worker.per_step).
         stop = SigtermStop(host, enabled=job.preemption)
-        early_term.release()
+        early_term.hand_over()
         try:
             # Without progress lines it still prints the tracker's warnings (data wait).
             with ProgressDisplay(tracker, total, show=progress), stop:

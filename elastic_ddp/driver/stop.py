@@ -31,7 +31,7 @@ class JobStopped(BaseException):
     and running the same command resumes it.
 
     A ``BaseException``, as ``KeyboardInterrupt`` is: raised in the main thread wherever
-    it is (:class:`EarlySigterm`), it must pass every ``except Exception`` on its way out
+    it is (:class:`EarlySignals`), it must pass every ``except Exception`` on its way out
     (the user's task module being imported, the task's dry run, a library call) instead
     of being reported as that code's error."""
 
@@ -122,8 +122,8 @@ class StoppedBeforeTraining(JobStopped):
     is closed as KILLED, and running the same command starts the job."""
 
 
-class EarlySigterm:
-    """Until :meth:`release` (or the block's end), SIGTERM raises
+class EarlySignals:
+    """Until :meth:`hand_over` (or the block's end), SIGTERM raises
     :class:`StoppedBeforeTraining` in the main thread, the way Ctrl-C raises
     KeyboardInterrupt: the launcher's clean-up paths run (no MLflow run left RUNNING, the
     run's lease released) and the CLI exits with :data:`EXIT_STOPPED`. Installed only in
@@ -134,35 +134,61 @@ class EarlySigterm:
     block while this handler is in charge (a SIGTERM during ``ray.init``, which the
     clean-up paths have handled as an interruption) leaves it as
     :class:`StoppedBeforeTraining`, so the exit code and the message are the same
-    whenever the signal lands."""
+    whenever the signal lands.
+
+    A signal whose exception was swallowed is raised again: ``ray.init`` forks, and an
+    exception raised in an at-fork callback (``logging`` releases its locks in one) is
+    printed as "Exception ignored" and dropped, so a Ctrl-C or SIGTERM landing there
+    would let the job run on. Both handlers here record the signal; :meth:`reinstall`
+    (after ``ray.init``) and :meth:`hand_over` (before ``fit``), reached only when no
+    exception left the block, raise it if one was recorded. (Only while Python's own
+    Ctrl-C handler is in charge is SIGINT's handler replaced.)"""
 
     def __init__(self):
-        self._before = None
-        self._installed = False
+        self._before: dict[int, object] = {}
+        self.pending: Optional[BaseException] = None
 
-    def __enter__(self) -> "EarlySigterm":
+    def __enter__(self) -> "EarlySignals":
         if threading.current_thread() is threading.main_thread():
-            self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
+            self._before[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._before[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        ours = self._installed
+        ours = signal.SIGTERM in self._before
         self.release()
         if ours and exc_type is SystemExit and exc.code == signal.SIGTERM:
             raise StoppedBeforeTraining(STOPPED_BEFORE_TRAINING) from None
 
     def reinstall(self) -> None:
-        """This handler again, after a call that installed its own (``ray.init``)."""
-        if self._installed:
+        """This SIGTERM handler again, after a call that installed its own (``ray.init``);
+        raises a signal that arrived during that call and was swallowed there."""
+        if signal.SIGTERM in self._before:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._raise_pending()
+
+    def hand_over(self) -> None:
+        """Raise a swallowed signal, else put the handlers found at entry back
+        (``SigtermStop`` then takes over during fit)."""
+        self._raise_pending()
+        self.release()
 
     def release(self) -> None:
-        """Put the handler found at entry back (SigtermStop then takes over during fit)."""
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._before if self._before is not None else signal.SIG_DFL)
-            self._installed = False
+        """Put the handlers found at entry back."""
+        for signum, before in self._before.items():
+            signal.signal(signum, before if before is not None else signal.SIG_DFL)
+        self._before.clear()
 
-    @staticmethod
-    def _on_sigterm(signum, frame) -> None:
+    def _raise_pending(self) -> None:
+        if self.pending is not None:
+            e, self.pending = self.pending, None
+            raise e
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.pending = StoppedBeforeTraining(STOPPED_BEFORE_TRAINING)
         raise StoppedBeforeTraining(STOPPED_BEFORE_TRAINING)
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.pending = KeyboardInterrupt()
+        raise KeyboardInterrupt
