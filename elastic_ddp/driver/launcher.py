@@ -273,7 +273,8 @@ def train(cfg: Config, task=None, progress: bool = True, parent_run_id: Optional
     # process imports torch, scans the data and dry-runs the task (elastic_ddp.tracking.opener).
     diagnostics = diagnostics or Diagnostics()
     # SIGTERM before fit (checks, scan, MLflow run creation, Ray start-up) stops the job
-    # through the clean-up paths below instead of ending the process mid-write.
+    # through the clean-up paths below instead of ending the process mid-write; a Ctrl-C
+    # or SIGTERM whose exception a fork in ray.init swallowed is raised again before fit.
     with EarlySignals() as early_term:
         return _train(cfg, task, progress, parent_run_id, command_start, on_validated,
                       diagnostics, early_term)
