@@ -186,9 +186,12 @@ class EarlySignals:
             raise e
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.pending = StoppedBeforeTraining(STOPPED_BEFORE_TRAINING)
-        raise StoppedBeforeTraining(STOPPED_BEFORE_TRAINING)
+        self._record(StoppedBeforeTraining(STOPPED_BEFORE_TRAINING))
 
     def _on_sigint(self, signum, frame) -> None:
-        self.pending = KeyboardInterrupt()
-        raise KeyboardInterrupt
+        self._record(KeyboardInterrupt())
+
+    def _record(self, e: BaseException) -> None:
+        """Raise ``e`` here and keep it, for :meth:`_raise_pending` should it be swallowed."""
+        self.pending = e
+        raise e
