@@ -107,6 +107,68 @@ def ray_cluster():
         ray.shutdown()
 
 
+class S3Bucket:
+    """One bucket of the test's own on the session's S3 server (moto's, on 127.0.0.1).
+
+    ``uri(key)`` gives ``s3://<bucket>/<key>``; ``client`` is a boto3 S3 client on the
+    server; ``env`` holds the variables a subprocess (the CLI, ``ray start``) needs to
+    reach it (endpoint, region, test credentials), as the AWS SDKs read them."""
+
+    def __init__(self, name: str, endpoint: str, env: dict[str, str]):
+        import boto3
+
+        self.name, self.endpoint, self.env = name, endpoint, dict(env)
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name=env["AWS_DEFAULT_REGION"],
+                                   aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                   aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+        self.client.create_bucket(Bucket=name)
+
+    def uri(self, key: str = "") -> str:
+        return f"s3://{self.name}/{key.lstrip('/')}" if key else f"s3://{self.name}"
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (all pages)."""
+        out: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=prefix):
+            out += [o["Key"] for o in page.get("Contents", [])]
+        return out
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API server for the session: moto's ``ThreadedMotoServer`` on 127.0.0.1,
+    a port of the OS's choosing. Yields its endpoint URL (``http://127.0.0.1:<port>``).
+    It answers conditional writes (``If-None-Match: *``) with ``PreconditionFailed``."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+_S3_BUCKETS = iter(range(1, 1 << 30))
+
+
+@pytest.fixture()
+def s3(s3_server, monkeypatch) -> S3Bucket:
+    """A fresh bucket on the session's S3 server, and this process's environment pointed at
+    the server (``AWS_ENDPOINT_URL``, region, test credentials) for the test's duration, so
+    pyarrow, boto3 and every process the test starts (a local Ray cluster's workers, the
+    CLI) reach it as a real cluster's nodes reach their object store."""
+    env = {"AWS_ENDPOINT_URL": s3_server, "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return S3Bucket(f"test-{os.getpid()}-{next(_S3_BUCKETS)}", s3_server, env)
+
+
 def digits_config(data_dir: Path, tmp: Path, extra: Optional[dict] = None) -> dict[str, Any]:
     """A small digits-cnn job as a plain config dict, with the MLflow store
     (``sqlite:///<tmp>/mlflow.db``) and Ray storage (``<tmp>/ray_results``) under ``tmp``.
