@@ -23,8 +23,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from elastic_ddp.data.files import ParquetSource, read_row_group
 from elastic_ddp.data.order import EpochOrder, Piece, Window
 from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.tasks.protocol import Task
@@ -78,15 +78,17 @@ def epoch_order(info: DatasetInfo, cfg, epoch: int) -> EpochOrder:
 
 
 # ------------------------------------------------------------------ Ray Data pieces
-def _read_window(files: list[str], schema: pa.Schema, seq: int, window: Window,
+def _read_window(files: list[ParquetSource], schema: pa.Schema, seq: int, window: Window,
                  cache: Optional[dict] = None) -> list[pa.Table]:
     """One window's rows (its pieces concatenated, then permuted), tagged with ``seq``.
-    ``cache``: row groups already read by this read task, by (file, index)."""
+    ``files``: the data set's files (``DatasetInfo.sources()``: on any storage, each row
+    group read by ranged reads of only ``schema``'s columns). ``cache``: row groups
+    already read by this read task, by (file, index)."""
     tables, cache = [], {} if cache is None else cache
     for pc in window.pieces:
         key = (pc.file, pc.index)
         if key not in cache:
-            t = pq.ParquetFile(files[pc.file]).read_row_group(pc.index, columns=schema.names)
+            t = read_row_group(files[pc.file], pc.index, schema.names)
             cache[key] = t.select(schema.names).cast(schema)
         tables.append(cache[key].slice(pc.start, pc.num_rows))
     t = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
@@ -95,7 +97,7 @@ def _read_window(files: list[str], schema: pa.Schema, seq: int, window: Window,
     return [t.append_column(SEQ, pa.array(np.full(t.num_rows, seq, dtype=np.int64)))]
 
 
-def _read_windows(files: list[str], schema: pa.Schema, first_seq: int,
+def _read_windows(files: list[ParquetSource], schema: pa.Schema, first_seq: int,
                   windows: list[Window]) -> Iterator[pa.Table]:
     """One read task: its windows in order, one block each. A row group shared by several
     of them (small partitions slice one row group many times) is read once; costs the
@@ -136,7 +138,7 @@ def read_task_count(info: DatasetInfo, windows: list[Window], slots: int = READ_
     return min(len(windows), max(slots, want))
 
 
-def window_source(files: list[str], schema: pa.Schema, windows: list[Window],
+def window_source(files: list[ParquetSource], schema: pa.Schema, windows: list[Window],
                   tasks: Optional[int] = None):
     """A Ray Data ``Datasource`` over ``windows`` in order: ``tasks`` read tasks (default
     one per window), each reading a contiguous run of windows, one block per window."""
@@ -176,7 +178,7 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
 
         return (transform(BlockAccessor.for_block(t).to_batch_format("numpy"))
                 for a, b in read_chunks(len(windows), READ_TASKS)
-                for t in _read_windows(info.files, info.schema, a, windows[a:b]))
+                for t in _read_windows(info.sources(), info.schema, a, windows[a:b]))
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -194,7 +196,7 @@ def pipeline(info: DatasetInfo, task: Task, windows: list[Window], seed: int, ep
         return iter(())
     remote = {"num_cpus": task_resources(slots), "concurrency": slots.tasks}
     tasks = read_task_count(info, windows, slots.tasks)
-    src = window_source(info.files, info.schema, windows, tasks)
+    src = window_source(info.sources(), info.schema, windows, tasks)
     ds = ray.data.read_datasource(src, override_num_blocks=len(read_chunks(len(windows), tasks)),
                                   **remote)
     ds = ds.map_batches(transform, batch_size=None, batch_format="numpy", zero_copy_batch=False,

@@ -11,6 +11,12 @@ the scan and the reader see the same data), and returns the row groups the epoch
 built from. It is what turns a bad path or a broken file into one clear message before
 Ray, MLflow or any worker starts.
 
+``path`` is a local path or a URI (``s3://``, ``gs://``, ``file://``): files are listed
+and opened through the storage's pyarrow file system (:mod:`elastic_ddp.data.files`), and
+the footers are read :data:`FOOTER_THREADS` at a time (on an object store each is a
+request: 1,000 files one after another would take 1,000 round trips), the results used in
+file order, so messages and the order are those of a one-by-one scan.
+
 Cost: footers, plus the columns' first and last row group of each file for list lengths.
 The id column is read in full only for data sets of at most ``ID_CHECK_MAX_ROWS`` rows
 (to prove ids unique); larger ones are proven unique from per-row-group min/max
@@ -23,20 +29,28 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic_ddp.data.columns import check_column, unify_field
+from elastic_ddp.data.files import ParquetSource, open_parquet, read_columns, read_row_group
 from elastic_ddp.data.order import RowGroup
+from elastic_ddp.paths import is_uri, uri_to_filesystem
 from elastic_ddp.tasks.protocol import Column
 
 # Data sets up to this many rows have their ids read in full to prove them unique.
 ID_CHECK_MAX_ROWS = 5_000_000
+# Footers (and id columns) read at a time: each is one or two requests to an object store,
+# mostly waiting on the network, so threads overlap them; a local disk gains little and
+# loses nothing. Bounded so that a scan does not open more connections than a store's
+# client pool serves well.
+FOOTER_THREADS = 16
 
 
 class DataError(ValueError):
@@ -48,8 +62,9 @@ class DatasetInfo:
     """What :func:`scan_parquet` found.
 
     Attributes:
-        path: the path as given (directory or file).
-        files: Parquet files in read order (sorted relative paths), absolute.
+        path: the path as given (directory or file; a local path or a URI).
+        files: Parquet files in read order (sorted relative paths): absolute local paths,
+            or URIs (``s3://bucket/key``) for an object store, valid on every node.
         num_rows: rows over all files.
         rows_per_file: row count per entry of ``files``.
         row_groups: every row group in file order (``RowGroup``: file index, row group,
@@ -58,8 +73,12 @@ class DatasetInfo:
         schema: the unified Arrow schema of ``columns`` (nullable where any file is),
             which the reader casts every file to.
         id_column: the sample id column.
-        fingerprint: sha256 of the file names (relative to ``path``), row groups' row
-            counts and id statistics: changes when rows are added, removed or renumbered.
+        fingerprint: sha256 of the file names (relative to ``path``), their sizes in
+            bytes (the storage's metadata: ``os.stat``, or the object's size from the
+            listing), row groups' row counts and id statistics: changes when rows are
+            added, removed or renumbered, or a file is rewritten with another size; a copy
+            of the same files elsewhere (another directory, bucket or store) keeps it. The
+            modification time is not used: a copy or re-upload of the same bytes changes it.
         skipped: files or directories under ``path`` that were not read, and why.
         id_ranges: per entry of ``row_groups``, the id column's ``(min, max)`` from the
             footer statistics (``(None, None)`` where the file has none): where
@@ -77,6 +96,13 @@ class DatasetInfo:
     fingerprint: str
     skipped: list[str] = field(default_factory=list)
     id_ranges: list[tuple] = field(default_factory=list)
+    file_sizes: list[int] = field(default_factory=list)
+
+    def sources(self) -> list[ParquetSource]:
+        """``files`` as the readers open them: with their sizes (no size request on an
+        object store) and the fingerprint (what their cached footers belong to)."""
+        sizes = self.file_sizes or [-1] * len(self.files)
+        return [ParquetSource(f, n, self.fingerprint) for f, n in zip(self.files, sizes)]
 
 
 #: What names a data set's path when the caller does not say which split it is.
@@ -88,29 +114,53 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
     """Validate a Parquet data set against the task's declared ``columns``. ``field``:
     the config field that names ``path`` (``data.train_path``), for the messages.
 
-    ``path`` is one Parquet file or a directory: every ``*.parquet`` file under it,
-    recursively (symlinked directories followed once each), in sorted relative-path
-    order. Entries whose name starts with ``.`` or ``_`` are skipped (staging directories,
-    ``_SUCCESS`` markers), as Spark and Arrow do; ``DatasetInfo.skipped`` lists them.
+    ``path`` is one Parquet file or a directory (a local path, or a ``s3://``, ``gs://``,
+    ``file://`` URI): every ``*.parquet`` file under it, recursively (local symlinked
+    directories followed once each), in sorted relative-path order. Entries whose name
+    starts with ``.`` or ``_`` are skipped (staging directories, ``_SUCCESS`` markers), as
+    Spark and Arrow do; ``DatasetInfo.skipped`` lists them.
 
     Raises:
         DataError: missing path, no Parquet files, an unreadable file, an empty data
             set, a missing column, a type that does not fit the declared ``Column`` or
             differs between files, nulls where none are allowed, values out of the
-            declared range, list lengths that do not fit, a non-integer or duplicated id.
+            declared range, list lengths that do not fit, a non-integer or duplicated id;
+            a storage that cannot be listed or read (the store's answer in the message).
     """
-    root = Path(path)
-    files, skipped = list_files(root, field)
+    root, files, sizes, skipped = _listing(path, field)
     wanted = {id_column: Column.integer(hint="store one unique int64 id per row, or set "
                                              "data.id_column"), **dict(columns)}
-    fields: dict[str, tuple[pa.Field, Path]] = {}
+
+    def inspect(i: int):
+        """One file's footer and the checks that need only this file; a DataError is
+        returned, not raised, so that the first file in order reports first."""
+        f = files[i]
+        try:
+            with open_parquet(ParquetSource(f, sizes[i])) as pf:
+                schema, md = pf.schema_arrow, pf.metadata
+                checked = {}
+                for name, spec in wanted.items():
+                    if schema.get_field_index(name) >= 0:
+                        try:
+                            check_column(pf, f, name, spec, DataError)
+                        except DataError as e:
+                            checked[name] = e
+                return schema, md, checked
+        except (pa.ArrowException, OSError) as exc:
+            return DataError(f"{f}: not a valid Parquet file ({_one_line(exc)}); delete or "
+                             "re-write it, or move it out of the data directory")
+
+    fields: dict[str, tuple[pa.Field, str]] = {}
     row_groups: list[RowGroup] = []
     rows_per_file: list[int] = []
     digest = hashlib.sha256()
     id_ranges: list[tuple[int, int, int]] = []
-    for fi, f in enumerate(files):
-        pf = _open(f)
-        schema = pf.schema_arrow
+    footers: list[pq.FileMetaData] = []
+    for fi, got in enumerate(_in_order(inspect, len(files))):
+        if isinstance(got, DataError):
+            raise got
+        schema, md, checked = got
+        f = files[fi]
         for name, spec in wanted.items():
             idx = schema.get_field_index(name)
             if idx < 0:
@@ -135,10 +185,11 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                         "without loss): re-write one of them with the other's type") from None
             else:
                 fields[name] = (fld, f)
-            check_column(pf, f, name, spec, DataError)
-        md = pf.metadata
+            if checked.get(name) is not None:
+                raise checked[name]
+        footers.append(md)
         rows_per_file.append(md.num_rows)
-        digest.update(f"{_rel(root, f)}|{md.num_rows}|{md.num_row_groups}".encode())
+        digest.update(f"{_rel(root, f)}|{sizes[fi]}|{md.num_rows}|{md.num_row_groups}".encode())
         col_idx = [i for i in range(md.num_columns)
                    if md.schema.column(i).path.split(".")[0] in wanted]
         id_leaf = next(i for i in range(md.num_columns) if md.schema.column(i).path == id_column)
@@ -154,16 +205,17 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
             id_ranges.append((lo, hi, rg.num_rows) if lo is not None else (None, None, rg.num_rows))
     num_rows = sum(rows_per_file)
     if num_rows == 0:
-        raise DataError(f"{root}: the data set is empty (0 rows in {len(files)} file(s)); write "
-                        "data into it, e.g. `elastic-ddp prepare`")
-    _check_unique_ids(files, rows_per_file, id_column, id_ranges)
+        raise DataError(f"{_shown(path)}: the data set is empty (0 rows in {len(files)} file(s)); "
+                        "write data into it, e.g. `elastic-ddp prepare`")
+    sources = [ParquetSource(f, n) for f, n in zip(files, sizes)]
+    _check_unique_ids(sources, rows_per_file, id_column, id_ranges, footers)
     names = list(wanted)
     return DatasetInfo(
-        path=str(path), files=[str(f) for f in files], num_rows=num_rows,
+        path=str(path), files=files, num_rows=num_rows,
         rows_per_file=rows_per_file, row_groups=row_groups, columns=names,
         schema=pa.schema([fields[n][0] for n in names]), id_column=id_column,
         fingerprint=digest.hexdigest(), skipped=skipped,
-        id_ranges=[(lo, hi) for lo, hi, _ in id_ranges])
+        id_ranges=[(lo, hi) for lo, hi, _ in id_ranges], file_sizes=sizes)
 
 
 def locate_ids(info: DatasetInfo, ids, limit: int = 8) -> dict:
@@ -173,8 +225,9 @@ def locate_ids(info: DatasetInfo, ids, limit: int = 8) -> dict:
     holds one of them; an id in no known range, or a file that cannot be read, is left
     out (this serves messages, never the training)."""
     want = {int(i) for i in list(ids)[:limit]}
-    root, found = Path(info.path), {}
-    root = root if root.is_dir() else root.parent
+    found: dict = {}
+    root = _root_of(info)
+    sources = info.sources()
     first_row, last_file = 0, None
     for k, g in enumerate(info.row_groups):
         if g.file != last_file:
@@ -182,34 +235,85 @@ def locate_ids(info: DatasetInfo, ids, limit: int = 8) -> dict:
         lo, hi = info.id_ranges[k] if k < len(info.id_ranges) else (None, None)
         hits = want.difference(found)
         if lo is not None and any(lo <= i <= hi for i in hits):
-            f = Path(info.files[g.file])
             try:
-                col = pq.ParquetFile(f).read_row_group(g.index, columns=[info.id_column])
+                col = read_row_group(sources[g.file], g.index, [info.id_column])
                 got = col.column(0).to_numpy(zero_copy_only=False)
             except (pa.ArrowException, OSError):
                 got = ()
             for r, i in enumerate(got):
                 if int(i) in hits:
-                    found[int(i)] = (_rel(root, f), first_row + r)
+                    found[int(i)] = (_rel(root, info.files[g.file]), first_row + r)
             if len(found) == len(want):
                 break
         first_row += g.num_rows
     return found
 
 
-def list_files(root: Path, field: str = DATA_PATH_FIELDS) -> tuple[list[Path], list[str]]:
-    """``*.parquet`` files under ``root`` (sorted by relative path) and what was skipped.
-    Symlinked directories are followed; a directory reached twice (a link loop, or two
-    links to one place) is read once and reported.
+def list_files(root: str | os.PathLike, field: str = DATA_PATH_FIELDS) -> tuple[list[str], list[str]]:
+    """``*.parquet`` files under ``root`` (a local path or a URI; sorted by relative path:
+    absolute local paths or URIs) and what was skipped. Local symlinked directories are
+    followed; a directory reached twice (a link loop, or two links to one place) is read
+    once and reported.
 
     Raises:
-        DataError: ``root`` does not exist or holds no Parquet file.
+        DataError: ``root`` does not exist or holds no Parquet file; the storage cannot
+            be listed.
     """
+    return _listing(root, field)[1::2]
+
+
+def read_sample_ids(path: str | os.PathLike, id_column: str = "sample_id") -> np.ndarray:
+    """Every sample id of a data set, sorted (int64 [N]): for audits and tests, O(N)."""
+    _, files, sizes, _ = _listing(path, DATA_PATH_FIELDS)
+    read = lambda i: read_columns(ParquetSource(files[i], sizes[i]), [id_column])[id_column].to_numpy()  # noqa: E731
+    ids = np.concatenate(list(_in_order(read, len(files))))
+    return np.sort(ids.astype(np.int64))
+
+
+def _in_order(fn: Callable[[int], object], n: int):
+    """``fn(0), ..., fn(n - 1)`` computed :data:`FOOTER_THREADS` at a time, yielded in
+    order (all of them are computed even when the caller stops at an error)."""
+    if n <= 1:
+        return (fn(i) for i in range(n))
+    pool = ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, n), thread_name_prefix="elastic-ddp-scan")
+    try:
+        return iter(list(pool.map(fn, range(n))))
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """How a data path is named in messages: a URI as written, a local path as ``Path``."""
+    text = os.fspath(path)
+    return text if is_uri(text) else str(Path(text))
+
+
+def _remote(text: str) -> bool:
+    return is_uri(text) and not text.lower().startswith("file:")
+
+
+def _listing(path: str | os.PathLike, field: str) -> tuple[str, list[str], list[int], list[str]]:
+    """``(root, files, sizes, skipped)``: ``root`` the directory the files' relative names
+    start from (a local path or URI, no trailing slash), ``files`` sorted by relative name."""
+    text = os.fspath(path)
+    if _remote(text):
+        return _list_store(text, field)
+    if is_uri(text):  # file://: its local path
+        try:
+            text = uri_to_filesystem(text)[1]
+        except ValueError as e:
+            raise DataError(f"{field}: {e}") from None
+    root = Path(text)
     if not root.exists():
         raise DataError(f"{root}: path does not exist; check {field}, "
                         "or create the data set first (e.g. `elastic-ddp prepare digits data/digits`)")
     if root.is_file():
-        return [Path(os.path.abspath(root))], []
+        f = os.path.abspath(root)
+        return os.path.dirname(f), [f], [os.path.getsize(f)], []
     found: list[str] = []
     skipped: list[str] = []
     seen: set[str] = set()
@@ -235,43 +339,99 @@ def list_files(root: Path, field: str = DATA_PATH_FIELDS) -> tuple[list[Path], l
             elif os.path.isfile(base / rel):
                 found.append(rel)
     if not found:
-        raise DataError(f"{root}: directory has no Parquet files (*.parquet, searched recursively"
-                        f"{'; skipped: ' + ', '.join(skipped[:5]) if skipped else ''}); point "
-                        f"{field} at the directory that holds them or prepare the data first")
-    return [base / rel for rel in sorted(found)], skipped
+        raise DataError(_no_parquet(str(root), skipped, field))
+    files = [str(base / rel) for rel in sorted(found)]
+    return str(base), files, [os.path.getsize(f) for f in files], skipped
 
 
-def read_sample_ids(path: str | os.PathLike, id_column: str = "sample_id") -> np.ndarray:
-    """Every sample id of a data set, sorted (int64 [N]): for audits and tests, O(N)."""
-    files, _ = list_files(Path(path))
-    ids = np.concatenate([pq.read_table(f, columns=[id_column])[id_column].to_numpy() for f in files])
-    return np.sort(ids.astype(np.int64))
+def _no_parquet(root: str, skipped: list[str], field: str) -> str:
+    return (f"{root}: directory has no Parquet files (*.parquet, searched recursively"
+            f"{'; skipped: ' + ', '.join(skipped[:5]) if skipped else ''}); point "
+            f"{field} at the directory that holds them or prepare the data first")
 
 
-def _rel(root: Path, f: Path) -> str:
+def _list_store(uri: str, field: str) -> tuple[str, list[str], list[int], list[str]]:
+    """The object-store listing: one ``get_file_info`` of the path, then every object
+    under it (``FileSelector(recursive=True)``: the store's paged listing)."""
+    import pyarrow.fs
+
     try:
-        return f.relative_to(os.path.abspath(root)).as_posix()
-    except ValueError:
-        return f.name
-
-
-def _open(f: Path) -> pq.ParquetFile:
+        fs, base = uri_to_filesystem(uri)
+    except (ValueError, pa.ArrowException) as e:
+        raise DataError(f"{field}={uri}: {_one_line(e)}") from None
+    scheme = uri.split("://", 1)[0]
     try:
-        return pq.ParquetFile(f)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{f}: not a valid Parquet file ({exc}); delete or re-write it, or move "
-                        "it out of the data directory") from exc
+        top = fs.get_file_info(base)
+        if top.type == pyarrow.fs.FileType.NotFound:
+            raise DataError(f"{uri}: path does not exist (no object and no prefix of that name); "
+                            f"check {field}, or upload the data set first")
+        if top.type == pyarrow.fs.FileType.File:
+            parent = uri.rstrip("/").rsplit("/", 1)[0]
+            return parent, [f"{scheme}://{base}"], [int(top.size)], []
+        listed = fs.get_file_info(pyarrow.fs.FileSelector(base, recursive=True))
+    except OSError as e:
+        raise DataError(f"{field}={uri}: the store cannot be listed ({_one_line(e)}); check the "
+                        "bucket name, the endpoint (AWS_ENDPOINT_URL) and the credentials") from None
+    found: dict[str, int] = {}
+    skipped: set[str] = set()
+    for info in listed:
+        if info.type != pyarrow.fs.FileType.File:
+            continue
+        rel = info.path[len(base):].lstrip("/")
+        parts = rel.split("/")
+        hidden = next((i for i, p in enumerate(parts) if p.startswith((".", "_"))), None)
+        if hidden is not None and hidden < len(parts) - 1:
+            skipped.add(f"{'/'.join(parts[:hidden + 1])}/: hidden (name starts with . or _)")
+        elif hidden is not None:
+            skipped.add(f"{rel}: hidden (name starts with . or _)")
+        elif not rel.endswith(".parquet"):
+            skipped.add(f"{rel}: not *.parquet")
+        else:
+            found[rel] = int(info.size)
+    root = uri.rstrip("/")
+    if not found:
+        raise DataError(_no_parquet(root, sorted(skipped), field))
+    rels = sorted(found)
+    return root, [f"{root}/{r}" for r in rels], [found[r] for r in rels], sorted(skipped)
 
 
-def _check_unique_ids(files: list[Path], rows_per_file: list[int], col: str,
-                      ranges: list[tuple]) -> None:
-    """Prove the ids unique: read them when the data set is small; else from per-row-group
-    statistics (disjoint ranges, each holding exactly max - min + 1 rows)."""
+def _root_of(info: DatasetInfo) -> str:
+    """The directory ``info.files`` are named relative to."""
+    text = info.path
+    if _remote(text):
+        return text.rstrip("/") if not (len(info.files) == 1 and info.files[0] == text) \
+            else text.rsplit("/", 1)[0]
+    if is_uri(text):
+        text = uri_to_filesystem(text)[1]
+    p = os.path.abspath(text)
+    return p if os.path.isdir(p) else os.path.dirname(p)
+
+
+def _rel(root: str, f: str) -> str:
+    if f.startswith(root.rstrip("/") + "/"):
+        return f[len(root.rstrip("/")) + 1:]
+    return f.rsplit("/", 1)[-1]
+
+
+def _check_unique_ids(files: list[ParquetSource], rows_per_file: list[int], col: str,
+                      ranges: list[tuple], footers: Optional[list] = None) -> None:
+    """Prove the ids unique: read them when the data set is small (the files' id columns,
+    :data:`FOOTER_THREADS` at a time); else from per-row-group statistics (disjoint
+    ranges, each holding exactly max - min + 1 rows)."""
     n = sum(rows_per_file)
     if n <= ID_CHECK_MAX_ROWS:
+        def read(i: int):
+            try:
+                return read_columns(files[i], [col], footers[i] if footers else None)[col]
+            except (pa.ArrowException, OSError) as exc:
+                return DataError(f"{files[i].path}: the id column {col!r} cannot be read "
+                                 f"({_one_line(exc)}); re-write the file or check the storage")
+
         chunks = []
-        for f in files:
-            column = pq.read_table(f, columns=[col])[col]
+        for i, column in enumerate(_in_order(read, len(files))):
+            f = files[i].path
+            if isinstance(column, DataError):
+                raise column
             if column.null_count:
                 raise DataError(f"{f}: id column {col!r} has {column.null_count} null(s); every row "
                                 "needs an integer sample id (re-prepare the data or fill the ids)")
@@ -286,7 +446,7 @@ def _check_unique_ids(files: list[Path], rows_per_file: list[int], col: str,
         if dup.size:
             k = int(dup[0])
             file_of_row = np.repeat(np.arange(len(files)), rows_per_file)
-            fa, fb = files[file_of_row[order[k]]], files[file_of_row[order[k + 1]]]
+            fa, fb = files[file_of_row[order[k]]].path, files[file_of_row[order[k + 1]]].path
             where = f"{fa}" if fa == fb else f"{fa} and {fb}"
             raise DataError(f"{where}: column {col!r} has duplicate sample id {int(ids[order][k])} "
                             f"({dup.size} duplicate(s) in all); sample ids must be unique across the "

@@ -99,7 +99,7 @@ class _ChunkJobs:
     (:func:`elastic_ddp.data.ingest._read_windows`) and transformed, one batch per
     window, numeric columns as tensors."""
 
-    def __init__(self, files: list[str], schema: pa.Schema, task: Task, id_column: str):
+    def __init__(self, files: list, schema: pa.Schema, task: Task, id_column: str):
         self.files, self.schema, self.task, self.id_column = files, schema, task, id_column
 
     def __reduce__(self):
@@ -184,7 +184,7 @@ class DataWorkers:
 
     def __init__(self, info: DatasetInfo, task: Task, workers: int = READ_TASKS):
         self.task, self.info, self.workers = task, info, max(1, workers)
-        self._jobs = _ChunkJobs(info.files, info.schema, task, info.id_column)
+        self._jobs = _ChunkJobs(info.sources(), info.schema, task, info.id_column)
         self._state = threading.Lock()  # runs, their counters and buffers, the in-flight log
         self._pull = threading.Lock()   # one thread at a time takes from the DataLoader
         self._runs: dict[int, _Run] = {}

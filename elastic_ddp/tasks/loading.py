@@ -215,8 +215,12 @@ def sample_rows(info, n: int = 2) -> dict:
     import pyarrow.parquet as pq
     from ray.data.block import BlockAccessor
 
+    from elastic_ddp.paths import uri_to_filesystem
+
     g = info.row_groups[0]
-    t = pq.ParquetFile(info.files[g.file]).read_row_group(g.index, columns=info.schema.names)
+    fs, path = uri_to_filesystem(info.files[g.file])  # a local path or a URI (s3://...)
+    with pq.ParquetFile(fs.open_input_file(path)) as pf:
+        t = pf.read_row_group(g.index, columns=info.schema.names)
     t = t.select(info.schema.names).cast(info.schema).slice(0, n)
     return BlockAccessor.for_block(t).to_batch_format("numpy")
 

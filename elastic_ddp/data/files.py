@@ -1,0 +1,101 @@
+"""Parquet files on any storage: a local disk, a shared one, or an object store.
+
+    src = ParquetSource("s3://bucket/data/train/part-0.parquet", 1_048_576, fingerprint)
+    table = read_row_group(src, 3, ["sample_id", "x"])
+
+A file's identity is a string every node reads the same: an absolute local path (a disk
+every node mounts) or a URI (``s3://bucket/key``, ``gs://bucket/key``), opened through
+:func:`elastic_ddp.paths.uri_to_filesystem`. A row group is read by ranged reads of its
+column chunks (``pre_buffer``: the chunks of the columns asked for, coalesced into few
+requests); nothing else of the file is fetched once its footer is known.
+
+Footers are kept per process (:data:`FOOTER_CACHE_FILES`, least recently used dropped),
+keyed by the file, its size and the data set's fingerprint: the scan read them all
+already, and on an object store each re-read is a request of up to 64 KiB (Arrow's
+speculative footer read), which for a row group read per request would double the bytes
+a rank reads. A file rewritten under the same name has another fingerprint (a job scans
+its data set at its start), so a long-lived process never reads it with a stale footer.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import NamedTuple, Optional, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic_ddp.paths import is_uri, uri_to_filesystem
+
+#: Footers kept per process.
+FOOTER_CACHE_FILES = 512
+
+
+class ParquetSource(NamedTuple):
+    """One file of a scanned data set: ``path`` (absolute local path or URI), ``size``
+    (bytes, from the listing; -1 unknown) and ``tag`` (the data set's fingerprint: what
+    the cached footer belongs to)."""
+
+    path: str
+    size: int = -1
+    tag: str = ""
+
+
+Source = Union[str, ParquetSource]
+
+_FOOTERS: "collections.OrderedDict[ParquetSource, pq.FileMetaData]" = collections.OrderedDict()
+_FOOTERS_LOCK = threading.Lock()
+
+
+def _input(src: ParquetSource):
+    """What ``pq.ParquetFile`` opens: a local path as it is (Arrow's own local reader),
+    else the object store's input file, its size given so that no HEAD request is made."""
+    if not is_uri(src.path) or src.path.lower().startswith("file:"):
+        return uri_to_filesystem(src.path)[1]
+    import pyarrow.fs
+
+    fs, path = uri_to_filesystem(src.path)
+    if src.size >= 0:
+        return fs.open_input_file(pyarrow.fs.FileInfo(path, pyarrow.fs.FileType.File, size=src.size))
+    return fs.open_input_file(path)
+
+
+def open_parquet(src: Source, metadata: Optional[pq.FileMetaData] = None) -> pq.ParquetFile:
+    """``pq.ParquetFile`` of ``src`` (a path, URI or :class:`ParquetSource`); its footer
+    from ``metadata``, else this process's footer cache (a :class:`ParquetSource` with a
+    ``tag``), else read from the file. Close it (``with``) when done: a local file holds
+    a descriptor.
+
+    Raises:
+        OSError, pyarrow.ArrowException: the file cannot be opened or is not Parquet.
+    """
+    if not isinstance(src, ParquetSource):
+        src = ParquetSource(os.fspath(src))
+    cache = bool(src.tag)
+    if metadata is None and cache:
+        with _FOOTERS_LOCK:
+            metadata = _FOOTERS.get(src)
+            if metadata is not None:
+                _FOOTERS.move_to_end(src)
+    pf = pq.ParquetFile(_input(src), metadata=metadata)
+    if cache and metadata is None:
+        with _FOOTERS_LOCK:
+            _FOOTERS[src] = pf.metadata
+            while len(_FOOTERS) > FOOTER_CACHE_FILES:
+                _FOOTERS.popitem(last=False)
+    return pf
+
+
+def read_row_group(src: Source, index: int, columns: list[str]) -> pa.Table:
+    """Row group ``index`` of ``src``, only ``columns`` (ranged reads of their chunks)."""
+    with open_parquet(src) as pf:
+        return pf.read_row_group(index, columns=columns)
+
+
+def read_columns(src: Source, columns: list[str],
+                 metadata: Optional[pq.FileMetaData] = None) -> pa.Table:
+    """Every row of ``src``, only ``columns``."""
+    with open_parquet(src, metadata) as pf:
+        return pf.read(columns=columns)
