@@ -262,6 +262,7 @@ def prepare(cfg: Config, task=None) -> Prepared:
     """
     from elastic_ddp.data.ingest import epoch_order
     from elastic_ddp.data.scan import DataError, scan_parquet
+    from elastic_ddp.driver.storage_checks import check_object_storage
     from elastic_ddp.tasks.loading import load_task, model_factory, preflight
     from elastic_ddp.tasks.pickling import check_picklable
 
@@ -269,6 +270,7 @@ def prepare(cfg: Config, task=None) -> Prepared:
     check_picklable(cfg, task, model_factory(cfg, task))
     cols = task.input_columns()
     d = cfg.data
+    check_object_storage(cfg)  # s3:// and gs:// data and storage paths: one line, exit 2
     train_info = scan_parquet(d.train_path, cols, d.id_column, field="data.train_path")
     val_info = scan_parquet(d.val_path, cols, d.id_column, field="data.val_path") if d.val_path else None
     try:
