@@ -10,10 +10,10 @@ column chunks (``pre_buffer``: the chunks of the columns asked for, coalesced in
 requests); nothing else of the file is fetched once its footer is known.
 
 Footers are kept per process (:data:`FOOTER_CACHE_FILES`, least recently used dropped),
-keyed by the file, its size and the data set's fingerprint: the scan read them all
-already, and on an object store each re-read is a request of up to 64 KiB (Arrow's
-speculative footer read), which for a row group read per request would double the bytes
-a rank reads. A file rewritten under the same name has another fingerprint (a job scans
+keyed by the file, its size and the data set's fingerprint, with an object's open input
+file: on an object store each re-read would be a HEAD request and a GET of up to 64 KiB
+(Arrow's speculative footer read) per row group, which for small row groups would double
+the bytes a rank reads. A file rewritten under the same name has another fingerprint (a job scans
 its data set at its start), so a long-lived process never reads it with a stale footer.
 """
 
@@ -45,44 +45,46 @@ class ParquetSource(NamedTuple):
 
 Source = Union[str, ParquetSource]
 
-_FOOTERS: "collections.OrderedDict[ParquetSource, pq.FileMetaData]" = collections.OrderedDict()
+# (footer, the object store's open input file or None for a local file) by source.
+_FOOTERS: "collections.OrderedDict[ParquetSource, tuple]" = collections.OrderedDict()
 _FOOTERS_LOCK = threading.Lock()
 
 
-def _input(src: ParquetSource):
-    """What ``pq.ParquetFile`` opens: a local path as it is (Arrow's own local reader),
-    else the object store's input file, its size given so that no HEAD request is made."""
-    if not is_uri(src.path) or src.path.lower().startswith("file:"):
-        return uri_to_filesystem(src.path)[1]
-    import pyarrow.fs
+def _remote(path: str) -> bool:
+    return is_uri(path) and not path.lower().startswith("file:")
 
+
+def _input(src: ParquetSource):
+    """What ``pq.ParquetFile`` opens: a local path as it is (Arrow's own local reader,
+    closed with the ``ParquetFile``), else the object store's input file (one HEAD request
+    for its size; then ranged GETs, safe from several threads at once)."""
     fs, path = uri_to_filesystem(src.path)
-    if src.size >= 0:
-        return fs.open_input_file(pyarrow.fs.FileInfo(path, pyarrow.fs.FileType.File, size=src.size))
-    return fs.open_input_file(path)
+    return fs.open_input_file(path) if _remote(src.path) else path
 
 
 def open_parquet(src: Source, metadata: Optional[pq.FileMetaData] = None) -> pq.ParquetFile:
     """``pq.ParquetFile`` of ``src`` (a path, URI or :class:`ParquetSource`); its footer
-    from ``metadata``, else this process's footer cache (a :class:`ParquetSource` with a
-    ``tag``), else read from the file. Close it (``with``) when done: a local file holds
-    a descriptor.
+    from ``metadata``, else this process's cache (a :class:`ParquetSource` with a
+    ``tag``: the footer, and for an object store the open input file, whose size request
+    is then not repeated), else read from the file. Close it (``with``) when done: a local
+    file holds a descriptor.
 
     Raises:
         OSError, pyarrow.ArrowException: the file cannot be opened or is not Parquet.
     """
     if not isinstance(src, ParquetSource):
         src = ParquetSource(os.fspath(src))
-    cache = bool(src.tag)
-    if metadata is None and cache:
+    cached = None
+    if src.tag:
         with _FOOTERS_LOCK:
-            metadata = _FOOTERS.get(src)
-            if metadata is not None:
+            cached = _FOOTERS.get(src)
+            if cached is not None:
                 _FOOTERS.move_to_end(src)
-    pf = pq.ParquetFile(_input(src), metadata=metadata)
-    if cache and metadata is None:
+    handle = cached[1] if cached is not None and cached[1] is not None else _input(src)
+    pf = pq.ParquetFile(handle, metadata=metadata or (cached[0] if cached else None))
+    if src.tag and cached is None:
         with _FOOTERS_LOCK:
-            _FOOTERS[src] = pf.metadata
+            _FOOTERS[src] = (pf.metadata, handle if _remote(src.path) else None)
             while len(_FOOTERS) > FOOTER_CACHE_FILES:
                 _FOOTERS.popitem(last=False)
     return pf
