@@ -102,16 +102,20 @@ class StoreReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return bool(os.fspath(checkpoint_id))
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's index (``.metadata``, a pickle that ``FileSystemWriter`` wrote), read whole."""
-        rank = kwargs.get("rank")
-        name = METADATA if rank is None else f"__{rank}{METADATA}"
+    def metadata_bytes(self, name: str = METADATA) -> bytes:
+        """The raw bytes of DCP's index file ``name``, read once per reader (a caller can
+        check them before they are unpickled: ``read_metadata`` then uses these)."""
         data = self._metadata.get(name)
         if data is None:
             with self.fs.open_input_stream(f"{self.path}/{name}") as f:
                 data = self._metadata[name] = f.read()
             self._count(name, len(data))
-        metadata = pickle.loads(data)
+        return data
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's index (``.metadata``, a pickle that ``FileSystemWriter`` wrote), read whole."""
+        rank = kwargs.get("rank")
+        metadata = pickle.loads(self.metadata_bytes(METADATA if rank is None else f"__{rank}{METADATA}"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
