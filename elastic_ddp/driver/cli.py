@@ -122,10 +122,16 @@ def _parser() -> argparse.ArgumentParser:
                                     "of the run's storage path) as one plain PyTorch state dict\n"
                                     "(torch.load(OUT, weights_only=True) -> model.load_state_dict),\n"
                                     "or safetensors when OUT ends in .safetensors. The optimizer\n"
-                                    "state is not read.",
+                                    "state is not read. Every file read is first checked against\n"
+                                    "the checkpoint's manifest (sizes, checksums).",
                         epilog=EXIT_CODES, formatter_class=fmt)
-    ex.add_argument("checkpoint", help="checkpoint directory, e.g. ray_results/RUN/checkpoint_step00000120")
+    ex.add_argument("checkpoint", help="checkpoint directory or URI, e.g. "
+                    "ray_results/RUN/checkpoint_step00000120, s3://bucket/runs/RUN/checkpoint_step00000120")
     ex.add_argument("out", help="file to write (.pt, or .safetensors: needs the safetensors package)")
+    ex.add_argument("--no-verify", action="store_true",
+                    help="skip the checks of the files read against the checkpoint's manifest "
+                         "(sizes, XXH3 checksums; by default a checkpoint that fails them is "
+                         "refused, exit 2); reads an incomplete checkpoint as it is")
 
     sw = sub.add_parser("sweep", help="run a config at several fixed world sizes; scaling table + plots",
                         epilog=_CONFIG_EPILOG, formatter_class=fmt)
@@ -269,7 +275,7 @@ def _export(args) -> int:
     from elastic_ddp.checkpoint.export import export
 
     try:
-        out = export(args.checkpoint, args.out)
+        out = export(args.checkpoint, args.out, verify=not args.no_verify)
     except CheckpointError as e:
         print(f"elastic-ddp: checkpoint error: {e}", file=sys.stderr)
         return 2

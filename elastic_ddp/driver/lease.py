@@ -11,12 +11,19 @@ thread. A lease whose holder is gone is taken over by the next job of that run (
 resume): on the holder's host, when its process no longer exists (at once); anywhere,
 when its heartbeat is older than :data:`STALE_S` seconds.
 
-On a local file system the lease is created with ``link(2)`` of a complete record
-(atomic; it fails when the lease exists), so two jobs started together cannot both get
-it. Object stores (``s3://``, ``gs://``) have no exclusive create through pyarrow: there
-the record is written, read back after a moment, and the job that does not read its
-own record back is refused; a race inside that moment is not excluded.
-What it costs: one small file write every few seconds for the job's length.
+Exclusive, so two jobs started together cannot both get it:
+
+* a local file system: created with ``link(2)`` of a complete record (atomic; it fails
+  when the lease exists);
+* ``s3://``: created with a conditional write (``If-None-Match: *``); a stale lease is
+  taken over, and the heartbeat rewritten, only if the record is still the version read
+  (``If-Match`` its ETag): ``driver.lease_s3``;
+* other object stores (``gs://``, ...): no exclusive create through pyarrow, so the
+  record is written, read back after a moment, and the job that does not read its own
+  record back is refused; a race inside that moment is not excluded (one warning line
+  says so).
+
+What it costs: one small write every few seconds for the job's length.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -70,6 +78,13 @@ class RunLease:
         self.local = type(self.fs).__name__ == "LocalFileSystem"
         self.dir = f"{base.rstrip('/')}/.leases"
         self.path = f"{self.dir}/{name}.json"
+        self.s3 = None  # driver.lease_s3.S3Object on s3:// storage
+        self.etag: Optional[str] = None  # the version of the record this job wrote last
+        if not self.local:
+            from elastic_ddp.driver.lease_s3 import S3Object, is_s3
+
+            if is_s3(storage):
+                self.s3 = S3Object(storage, self.path)
         now = time.time()
         self.record = {"host": socket.gethostname(), "pid": os.getpid(),
                        "pid_start": _pid_start(os.getpid()), "since": now, "heartbeat": now,
@@ -80,6 +95,8 @@ class RunLease:
 
     # -- reading and judging ---------------------------------------------------------
     def _read(self, path: Optional[str] = None) -> Optional[dict]:
+        if self.s3 is not None and path is None:
+            return self._read_s3()[0]
         try:
             if self.local:
                 with open(path or self.path, "rb") as f:
@@ -122,6 +139,16 @@ class RunLease:
             f"run.name, or wait for that job to end (a job that stops for {STALE_S:.0f} s is "
             "taken over by the next run of this name, which resumes it)")
 
+    def _read_s3(self) -> tuple[Optional[dict], Optional[str]]:
+        """(record, its ETag); (None, None): no lease. Raises LeaseStoreError."""
+        data, etag = self.s3.read()
+        if data is None:
+            return None, None
+        try:
+            return json.loads(data.decode(errors="replace").strip()), etag
+        except ValueError:
+            return {}, etag
+
     # -- taking and giving back ------------------------------------------------------
     def _bytes(self) -> bytes:
         return json.dumps(self.record).encode().ljust(_RECORD_BYTES)
@@ -154,13 +181,47 @@ class RunLease:
                 pass
         os.unlink(grab)
 
+    def _acquire_s3(self) -> bool:
+        """One try on S3: create the record, or take a stale one over, each conditional.
+        False: the record changed under this try (judge again). Raises RunBusyError."""
+        etag = self.s3.create(self._bytes())
+        if etag is not None:
+            self.etag = etag
+            return True
+        rec, seen = self._read_s3()
+        if rec is None:
+            return False  # released meanwhile
+        if self.alive(rec):
+            raise self._busy(rec)
+        etag = self.s3.replace(self._bytes(), seen)  # only over the stale version read
+        if etag is None:
+            return False  # another job took it over (or it was released) first
+        self.etag, self.took_over = etag, rec
+        return True
+
     def acquire(self) -> "RunLease":
-        """Take the lease, or raise :class:`RunBusyError` naming the live holder."""
+        """Take the lease, or raise :class:`RunBusyError` naming the live holder (a
+        ``ConfigError`` naming the key and the store's error where the store fails)."""
+        from elastic_ddp.driver.lease_s3 import LeaseStoreError
+
+        try:
+            return self._acquire()
+        except LeaseStoreError as e:
+            raise ConfigError(f"run.storage_path={self.storage}: the run's lease could not be "
+                              f"taken: {e}; check the bucket, the credentials and the endpoint "
+                              "(AWS_ENDPOINT_URL, AWS_REGION)") from e
+
+    def _acquire(self) -> "RunLease":
         for _ in range(5):
+            if self.s3 is not None:
+                if self._acquire_s3():
+                    break
+                continue
             if self.local:
                 if self._create_local():
                     break
             else:
+                _warn_read_back(self.storage)
                 rec = self._read()
                 if rec is None or not self.alive(rec):
                     self.fs.create_dir(self.dir, recursive=True)
@@ -185,6 +246,12 @@ class RunLease:
         return self
 
     def _write(self) -> None:
+        if self.s3 is not None:
+            etag = self.s3.replace(self._bytes(), self.etag)
+            if etag is None:
+                raise _Lost()
+            self.etag = etag
+            return
         if self.local:
             fd = os.open(self.path, os.O_WRONLY)
             try:
@@ -198,10 +265,13 @@ class RunLease:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                if self._read() != self.record:
+                # S3: the conditional write itself finds a record replaced meanwhile.
+                if self.s3 is None and self._read() != self.record:
                     return  # taken over (this job was stopped long enough to look dead)
                 self.record["heartbeat"] = time.time()
                 self._write()
+            except _Lost:
+                return  # taken over
             except OSError:
                 pass  # storage briefly unreachable: the next beat tries again
 
@@ -211,7 +281,10 @@ class RunLease:
         if self._thread is not None:
             self._thread.join(timeout=HEARTBEAT_S + 5)
         try:
-            if self._read() == self.record:
+            if self.s3 is not None:
+                if self.etag is not None:
+                    self.s3.delete(self.etag)  # only the version this job wrote last
+            elif self._read() == self.record:
                 if self.local:
                     os.unlink(self.path)
                     try:
@@ -230,3 +303,25 @@ class RunLease:
         return (f"elastic-ddp: run {self.name!r}: took over the lease of the job on host "
                 f"{rec.get('host', '?')}, pid {rec.get('pid', '?')} (since "
                 f"{_iso(float(rec.get('since') or 0))}), which is gone")
+
+
+class _Lost(Exception):
+    """The record on S3 is no longer the version this job wrote: taken over."""
+
+
+_warned_read_back: set[str] = set()
+
+
+def _warn_read_back(storage: str) -> None:
+    """The one warning line (per process and scheme) that a lease is taken without an
+    exclusive create on this store."""
+    from urllib.parse import urlsplit
+
+    scheme = urlsplit(storage).scheme or "this storage"
+    if scheme in _warned_read_back:
+        return
+    _warned_read_back.add(scheme)
+    print(f"elastic-ddp: warning: {scheme}:// has no exclusive create here: the run's lease "
+          "is written and read back after 1 s, so two jobs of one run started within that "
+          "second could both hold it (s3:// and local storage take it exclusively)",
+          file=sys.stderr, flush=True)
