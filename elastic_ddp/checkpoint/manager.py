@@ -397,11 +397,26 @@ class CheckpointManager:
         verify, and no step runs before. Returns (every rank's bad files, the run state:
         None when a file is bad). Raises CheckpointError: the files verify and do not fit
         this config's model."""
+        import contextlib
+
         import pyarrow.fs as pafs
         from torch.distributed.checkpoint import CheckpointException, FileSystemReader
         from torch.distributed.checkpoint import load as dcp_load
 
-        with local_copy(fs, path) as d:
+        from elastic_ddp.checkpoint.remote_read import share_view, storage_reader
+
+        local = isinstance(fs, pafs.LocalFileSystem)
+        # Object storage: this rank's share of the files downloaded (and verified there),
+        # the rest of what it loads by ranged reads; never the whole checkpoint.
+        view = (contextlib.nullcontext(path) if local
+                else share_view(fs, path, sorted(set(share) | {".metadata"})))
+        readers: list = []
+
+        def reader():
+            readers.append(FileSystemReader(d) if local else storage_reader(fs, path, d))
+            return readers[-1]
+
+        with view as d:
             check = start_verify(pafs.LocalFileSystem(), d, manifest, share)
             state, error = self.model_optimizer_state(strategy), None
             # Replicated tensors (ddp, zero1's model): each rank reads its share, then the
@@ -411,7 +426,7 @@ class CheckpointManager:
             mine = replicated_share(state, parts, self.rank, self.world_size)
             try:
                 with single_process(not self.collective):
-                    dcp_load(mine, storage_reader=FileSystemReader(d), no_dist=not self.collective)
+                    dcp_load(mine, storage_reader=reader(), no_dist=not self.collective)
                 for part in parts:  # DCP sets non-tensor values in the dicts it was given
                     state[part].update(mine[part])
             # DCP wraps every rank's error in a CheckpointException (a BaseException).
@@ -430,10 +445,17 @@ class CheckpointManager:
             if error is not None:
                 raise _misfit(path, describe(manifest), error) from error
             if strategy.hook_state is not None:
-                load_powersgd_keys(strategy, d, self.rank, self.world_size)
-            with open(os.path.join(d, RUN_STATE)) as f:
-                run_state = json.load(f)
+                load_powersgd_keys(strategy, reader(), self.rank, self.world_size)
+            with fs.open_input_stream(f"{path}/{RUN_STATE}") as f:
+                run_state = json.loads(f.read())
+            if not local:
+                self.read_bytes = (sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+                                   + sum(f.requested for r in readers for f in r.ranged))
         return [], {k: run_state[k] for k in RUN_KEYS if k in run_state}
+
+    #: Bytes this rank read from object storage at its last restore (downloaded share
+    #: and ranged reads; the small files read whole not counted); 0 on local storage.
+    read_bytes = 0
 
     def _load_legacy(self, strategy, fs, path: str) -> dict:
         from elastic_ddp.checkpoint.legacy import load_state

@@ -34,10 +34,30 @@ class CheckpointWriteError(CheckpointError):
     checkpoint is not committed; the previous one stays the restart point."""
 
 
+_STAGING = "elastic-ddp-ckpt-"
+
+
 def staging_dir() -> str:
     """A fresh local directory for one rank's part of a checkpoint bound for object
-    storage (removed by :func:`remove_staging`, also on failure)."""
-    return tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
+    storage (removed by :func:`remove_staging`, also on failure), named by this process's
+    id. The staging directories of processes that no longer run (a rank killed inside a
+    write) are removed first: a node's temporary disk does not fill with them."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(_STAGING):].split("-", 1)[0]
+        if name.startswith(_STAGING) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_STAGING}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def remove_staging(path: Optional[str]) -> None:
