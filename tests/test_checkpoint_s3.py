@@ -210,7 +210,7 @@ def test_an_asynchronous_save_to_s3_commits_with_its_manifest_and_stages_nothing
         return [n for n in names if n.startswith("elastic-ddp-")]
 
     assert not staged(p.name for p in s3_runs["staging"]["fail"].iterdir())
-    assert len(staged(s3_runs["killed_left"])) == 2, s3_runs["killed_left"]
+    assert len(staged(s3_runs["killed_left"])) == 1, s3_runs["killed_left"]  # rank 0's
     assert not staged(p.name for p in s3_runs["staging"]["kill"].iterdir())
 
 
@@ -282,3 +282,41 @@ def test_a_rank_killed_before_its_upload_leaves_no_manifest_and_the_restore_fall
     # written at world size 3 after it is complete.
     assert not _ckpt_keys(s3_runs["keys"]["kill"], 6)
     assert {MANIFEST, "__2_0.distcp"} <= _ckpt_keys(s3_runs["keys"]["kill"], 7)
+
+
+def test_listing_and_the_drivers_resume_check_on_s3_read_manifests_not_shards(s3, monkeypatch):
+    """In this process (one writer, no process group): checkpoints at steps 2, 4 and 6 on
+    the S3 server, step 6's manifest removed (a write cut short). The listing and the
+    driver's check before a resume read the manifests and stat the objects (a proxy
+    counts the bytes they GET: under one shard's size); a shard cut short makes the
+    check fall back to the previous checkpoint."""
+    from elastic_ddp.checkpoint.layout import complete_checkpoints
+    from elastic_ddp.driver.resume import newest_that_verifies
+
+    cfg = _cfg("ddp")
+    task = load_task(cfg)
+    strategy = build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), 1)
+    storage = s3.uri("runs")
+    mgr = CheckpointManager(storage, RUN, {"c": 1}, 0, 1, collective=False, log=lambda m: None)
+    for step in (2, 4, 6):
+        mgr.save(step, strategy, {"progress": {"step": step}}, report=False)
+    prefix = f"runs/{RUN}/"
+    s3.client.delete_object(Bucket=s3.name, Key=f"{prefix}{checkpoint_name(6)}/{MANIFEST}")
+    shard = s3.client.head_object(Bucket=s3.name, Key=f"{prefix}{checkpoint_name(4)}/__0_0.distcp")
+    proxy = S3Proxy(s3.endpoint)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert [k for k, _ in complete_checkpoints(storage, RUN)] == [4, 2]
+        path, manifest, events = newest_that_verifies(storage, RUN)
+        assert path.endswith(checkpoint_name(4)) and manifest["step"] == 4 and not events
+        assert proxy.got_bytes < shard["ContentLength"] / 4, (proxy.got_bytes, shard["ContentLength"])
+        # Step 4's shard cut short: the check names it and falls back to step 2.
+        key = f"{prefix}{checkpoint_name(4)}/__0_0.distcp"
+        body = s3.client.get_object(Bucket=s3.name, Key=key)["Body"].read()
+        s3.client.put_object(Bucket=s3.name, Key=key, Body=body[: len(body) // 2])
+        path, manifest, events = newest_that_verifies(storage, RUN)
+        assert path.endswith(checkpoint_name(2)), path
+        assert [e["checkpoint"].endswith(checkpoint_name(4)) for e in events] == [True]
+        assert "__0_0.distcp" in events[0]["bad_files"][0]
+    finally:
+        proxy.stop()

@@ -403,18 +403,22 @@ class CheckpointManager:
         from torch.distributed.checkpoint import CheckpointException, FileSystemReader
         from torch.distributed.checkpoint import load as dcp_load
 
-        from elastic_ddp.checkpoint.remote_read import share_view, storage_reader
+        from elastic_ddp.checkpoint.remote_read import overlay, share_view
+        from elastic_ddp.checkpoint.store_reader import StoreReader
 
         local = isinstance(fs, pafs.LocalFileSystem)
         # Object storage: this rank's share of the files downloaded (and verified there),
         # the rest of what it loads by ranged reads; never the whole checkpoint.
         view = (contextlib.nullcontext(path) if local
                 else share_view(fs, path, sorted(set(share) | {".metadata"})))
-        readers: list = []
+        views: list = []
 
         def reader():
-            readers.append(FileSystemReader(d) if local else storage_reader(fs, path, d))
-            return readers[-1]
+            if local:
+                return FileSystemReader(d)
+            view, remote_bytes = overlay(fs, path, d)
+            views.append(remote_bytes)
+            return StoreReader(path, filesystem=view)
 
         with view as d:
             check = start_verify(pafs.LocalFileSystem(), d, manifest, share)
@@ -450,7 +454,7 @@ class CheckpointManager:
                 run_state = json.loads(f.read())
             if not local:
                 self.read_bytes = (sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
-                                   + sum(f.requested for r in readers for f in r.ranged))
+                                   + sum(n() for n in views))
         return [], {k: run_state[k] for k in RUN_KEYS if k in run_state}
 
     #: Bytes this rank read from object storage at its last restore (downloaded share

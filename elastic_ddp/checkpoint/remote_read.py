@@ -1,7 +1,8 @@
 """A checkpoint on object storage read for a restore without a full download: this
 rank's share of the files (the ones it verifies, ``checksum.share_of``) downloaded into
 a local directory in parallel and checked there, every other byte DCP's load needs read
-by ranged reads from the store.
+by ranged reads from the store (``checkpoint.store_reader.StoreReader`` over
+:func:`overlay`, which serves the downloaded files locally).
 
 At the world size the checkpoint was written at, a rank's share is the file it wrote,
 which holds every tensor it loads (ddp's replicated share, fsdp's shard), so the bytes a
@@ -14,66 +15,97 @@ a rank reads its share of the files (to verify them) and the ranges it loads.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-#: The smallest ranged read (a request per miss): DCP reads a non-tensor entry in one
-#: read of its length, and a tensor as its zip's small headers, then its bytes; 4 KiB
-#: covers the headers of one in a request or two and adds at most that per miss.
-MIN_READ = 4 << 10
 DOWNLOAD_THREADS = 4
 
 
-class RangedFile(io.RawIOBase):
-    """A file on a pyarrow file system read by ranged reads (``read_at``): the bytes
-    asked for, at least :data:`MIN_READ` per request, the last request's bytes kept to
-    serve the next reads inside them. ``requested``: bytes fetched from the store."""
+class _Counted:
+    """A remote file (pyarrow ``RandomAccessFile``) behind a Python file object that counts
+    the bytes read (``pyarrow.PythonFile`` turns it back into one for ``read_at``)."""
 
-    def __init__(self, f):
-        super().__init__()
-        self.f, self.size, self.pos = f, f.size(), 0
-        self.start, self.buf, self.requested = 0, b"", 0
+    def __init__(self, f, count):
+        self.f, self.count = f, count
+        self.closed = False
 
-    def readable(self) -> bool:
-        return True
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n if n is not None and n >= 0 else None)
+        self.count(len(data))
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def size(self) -> int:
+        return self.f.size()
 
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.pos
+    def readable(self) -> bool:
+        return True
 
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = self.size - self.pos
-        n = min(n, self.size - self.pos)
-        if n <= 0:
-            return b""
-        end = self.pos + n
-        if not (self.start <= self.pos and end <= self.start + len(self.buf)):
-            want = min(max(n, MIN_READ), self.size - self.pos)
-            self.buf, self.start = self.f.read_at(want, self.pos), self.pos
-            self.requested += len(self.buf)
-        out = self.buf[self.pos - self.start:end - self.start]
-        self.pos = end
-        return out
-
-    def readinto(self, b) -> int:
-        data = self.read(len(b))
-        memoryview(b)[:len(data)] = data
-        return len(data)
+    def writable(self) -> bool:
+        return False
 
     def close(self) -> None:
+        self.closed = True
         self.f.close()
-        super().close()
+
+
+def overlay(fs, path: str, local_dir: str):
+    """A read-only pyarrow file system (``pyarrow.fs.PyFileSystem``) for the checkpoint
+    at ``path`` on ``fs``, whose files present in ``local_dir`` are read there and every
+    other from ``fs``; and a function that gives the bytes read from ``fs`` so far."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    local = pafs.LocalFileSystem()
+    got = [0]
+    lock = __import__("threading").Lock()
+
+    def count(n: int) -> None:
+        with lock:
+            got[0] += n
+
+    def where(p: str):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        lp = os.path.join(local_dir, name)
+        return (local, lp) if os.path.exists(lp) else (fs, f"{path}/{name}")
+
+    class Overlay(pafs.FileSystemHandler):
+        def get_type_name(self):
+            return "elastic-ddp-restore-overlay"
+
+        def get_file_info(self, paths):
+            return [where(p)[0].get_file_info(where(p)[1]) for p in paths]
+
+        def open_input_file(self, p):
+            f, q = where(p)
+            if f is local:
+                return local.open_input_file(q)
+            return pa.PythonFile(_Counted(fs.open_input_file(q), count), mode="r")
+
+        def open_input_stream(self, p):
+            return self.open_input_file(p)
+
+        def normalize_path(self, p):
+            return p
+
+        def _refused(self, *a, **k):
+            raise NotImplementedError("a restore's view of a checkpoint is read-only")
+
+        get_file_info_selector = create_dir = delete_dir = delete_dir_contents = _refused
+        delete_root_dir_contents = delete_file = move = copy_file = _refused
+        open_output_stream = open_append_stream = _refused
+
+    return pafs.PyFileSystem(Overlay()), lambda: got[0]
 
 
 def download(fs, path: str, names: list[str], into: str) -> None:
@@ -90,42 +122,6 @@ def download(fs, path: str, names: list[str], into: str) -> None:
                             thread_name_prefix="checkpoint-download") as pool:
         for f in [pool.submit(one, n) for n in names]:
             f.result()
-
-
-def storage_reader(fs, path: str, local_dir: str):
-    """A DCP ``FileSystemReader`` of the checkpoint at ``path`` on ``fs`` that opens the
-    files present in ``local_dir`` there and every other file by ranged reads
-    (:class:`RangedFile`). Its ``ranged`` list holds the ranged files it opened."""
-    from contextlib import contextmanager
-    from pathlib import Path
-
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class Mixed(FileSystem):
-        """DCP's local file system, with the files not in ``local_dir`` on ``fs``."""
-
-        def __init__(self, ranged: list):
-            self.ranged = ranged
-
-        @contextmanager
-        def create_stream(self, p, mode: str):
-            p = Path(p)
-            if p.exists():
-                with p.open(mode) as stream:
-                    yield stream
-                return
-            f = RangedFile(fs.open_input_file(f"{path}/{p.name}"))
-            self.ranged.append(f)
-            try:
-                yield f
-            finally:
-                f.close()
-
-    reader = FileSystemReader(local_dir)
-    reader.ranged = []
-    reader.fs = Mixed(reader.ranged)
-    return reader
 
 
 @contextlib.contextmanager
