@@ -135,7 +135,8 @@ class CheckpointManager:
         name = checkpoint_name(step)
         if lead:
             name = free_name(fs, base, step)
-            fs.create_dir(f"{base}/{name}", recursive=True)
+            if local:  # an object store has no directories (a marker object: one more PUT)
+                fs.create_dir(f"{base}/{name}", recursive=True)
         name = self._broadcast(name)
         dest = f"{base}/{name}"
         if not writes:
