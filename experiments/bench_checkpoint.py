@@ -7,6 +7,8 @@ the state staged into pinned host memory; the full-state path is for the CPU).
     .venv/bin/python experiments/bench_checkpoint.py --sizes 2x128,4x256,8x512
     .venv/bin/python experiments/bench_checkpoint.py --checkout <commit>   # the old path
     .venv/bin/python experiments/bench_checkpoint.py --sizes 24x1024 --paths "" --interleave
+    .venv/bin/python experiments/bench_checkpoint.py --sizes 8x512 --paths sharded,sharded_async \
+        --storage local,s3     # the sharded paths on local disk and on an S3 server side by side
     .venv/bin/python experiments/bench_checkpoint.py --device cuda --nproc 1 --sizes 20x2048 \
         --strategies fsdp --paths sharded_async,dcp_async --repeat 1   # a GPU: gpu_check.sh
 
@@ -18,8 +20,17 @@ manifest share included, is done, timed by a thread while one training step runs
 seconds (a fresh process group, a fresh model; checksums included for this project),
 bytes read per rank at restore (``rchar`` of /proc/self/io: page-cache reads count too)
 and the load's part of them (``rchar`` less the bytes the restore's checksum thread hashes)
-and peak RSS per rank; then the ratios against the full-state path. Each row is the
-median of ``--repeat`` checkpoints after one warm-up.
+and peak RSS per rank; then the ratios against the first row. ``step s*``: one training
+step while the background write runs (the asynchronous path; against ``step s``, what
+the write costs the training it overlaps). Each row is the median of ``--repeat``
+checkpoints after one warm-up.
+
+``--storage s3``: the sharded paths write to an S3 server the bench starts in its own
+process (moto's ``ThreadedMotoServer`` on 127.0.0.1: a Python server, so its own CPU
+time shares the machine's cores with the ranks); restore bytes per rank are then the
+bytes the rank fetched from the store (its share downloaded for its checksums, the rest
+by ranged reads: ``CheckpointManager.read_bytes``), and disk MB the newest checkpoint's
+objects.
 
 ``--checkout REV``: the commit whose ``elastic_ddp`` is the full-state path (default:
 the parent of the commit that made ``elastic_ddp/checkpoint.py`` a package), checked
@@ -132,7 +143,10 @@ def worker(args) -> None:
     step()
     step_s = step()
     store = Path(args.out)
-    blocked, persisted = [], []
+    s3 = args.storage == "s3"
+    # On S3: the bench's own S3 server (main starts it); a run directory per invocation.
+    where = f"s3://{os.environ['BENCH_S3_BUCKET']}/{store.name}" if s3 else str(store)
+    blocked, persisted, during = [], [], []
     path = args.path
     if path == "interleaved":
         return _interleaved(args, s, step, store, rank, ws, device)
@@ -150,14 +164,22 @@ def worker(args) -> None:
         elif path.startswith("sharded"):
             from elastic_ddp.checkpoint.manager import CheckpointManager
 
-            m = CheckpointManager(str(store), "run", {}, rank, ws, collective=True,
+            m = CheckpointManager(where, "run", {}, rank, ws, collective=True,
                                   log=lambda _: None, strategy_name=args.strategy)
             m.save(k, s, {"progress": {}}, report=False, asynchronous=path == "sharded_async")
             t1 = time.perf_counter()
             done = _when_done(m.pending.thread.join if m.pending is not None else None, t1)
-            step()  # the loop goes on while the write runs
+            busy = m.pending is not None and m.pending.thread.is_alive()
+            d = step()  # the loop goes on while the write runs
+            if busy and k:
+                during.append(d)
             m.wait()
             t2 = done()
+            if s3 and k and rank == 0:  # the server holds objects in memory: keep the newest only
+                from elastic_ddp.checkpoint.layout import checkpoint_name, run_dir
+
+                fs, base = run_dir(where, "run")
+                fs.delete_dir(f"{base}/{checkpoint_name(k - 1)}")
         else:  # plain DCP async_save, the torchtitan way
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -187,8 +209,8 @@ def worker(args) -> None:
 
         s.load_full_state(load_state(store / f"ck{last}"))
     elif path.startswith("sharded"):
-        CheckpointManager(str(store), "run", {}, rank, ws, collective=True,
-                          log=lambda _: None).restore(s)
+        mr = CheckpointManager(where, "run", {}, rank, ws, collective=True, log=lambda _: None)
+        mr.restore(s)
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -199,7 +221,9 @@ def worker(args) -> None:
     restore = time.perf_counter() - t0
     read = _rchar() - r0
     hashed = 0
-    if path.startswith("sharded"):
+    if s3:  # from the store: the share downloaded and the ranged reads (rchar misses sockets)
+        read = mr.read_bytes
+    elif path.startswith("sharded"):
         # The restore's checksum thread reads this rank's share of the files beside the load
         # (the same pages: the second read comes from the page cache); rchar counts both.
         from elastic_ddp.checkpoint import MANIFEST
@@ -208,7 +232,9 @@ def worker(args) -> None:
         ck = max(store.rglob(MANIFEST), key=lambda f: f.parent.name)  # the restored one: the newest
         files = json.loads(ck.read_text())["files"]
         hashed = sum(files[n]["bytes"] for n in share_of(sorted(files), rank, ws))
-    out = {"rank": rank, "step_s": step_s, "blocked_s": statistics.median(blocked),
+    out = {"rank": rank, "step_s": step_s,
+           "during_s": statistics.median(during) if during else None,
+           "blocked_s": statistics.median(blocked),
            "persisted_s": statistics.median(persisted), "restore_s": restore, "read_bytes": read,
            "load_bytes": read - hashed,
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -216,7 +242,16 @@ def worker(args) -> None:
            "gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None}
     parts = [None] * ws
     dist.all_gather_object(parts, out)
-    if rank == 0:
+    if rank == 0 and s3:
+        import pyarrow.fs as pafs
+
+        from elastic_ddp.checkpoint.layout import run_dir
+
+        fs, base = run_dir(where, "run")
+        disk = sum(i.size or 0 for i in fs.get_file_info(pafs.FileSelector(base, recursive=True))
+                   if i.type == pafs.FileType.File)  # the newest checkpoint alone
+        print("RESULT " + json.dumps({"ranks": parts, "disk_bytes": disk}), flush=True)
+    elif rank == 0:
         disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) / (args.repeat + 1)
         print("RESULT " + json.dumps({"ranks": parts, "disk_bytes": disk}), flush=True)
     dist.destroy_process_group()
@@ -336,20 +371,21 @@ def _old_checkout(rev: str | None) -> Path:
 
 
 def run_one(size: str, strategy: str, path: str, repeat: int, code: Path,
-            device: str = "cpu", nproc: int = 2) -> dict:
+            device: str = "cpu", nproc: int = 2, storage: str = "local",
+            s3_env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as out:
         # The code under test first; the caller's PYTHONPATH (packages installed outside the
         # interpreter's site-packages) stays behind it.
         pythonpath = os.pathsep.join(x for x in (str(code), os.environ.get("PYTHONPATH", "")) if x)
-        env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", **(s3_env or {}))
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
                str(nproc), str(Path(__file__).resolve()), "--worker", "--size", size,
                "--strategy", strategy, "--path", path, "--repeat", str(repeat), "--out", out,
-               "--device", device]
+               "--device", device, "--storage", storage]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, check=False)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            raise RuntimeError(f"{size} {strategy} {path} failed:\n{p.stderr[-3000:]}")
+            raise RuntimeError(f"{size} {strategy} {path} {storage} failed:\n{p.stderr[-3000:]}")
         return json.loads(line[len("RESULT "):])
 
 
@@ -386,6 +422,29 @@ def driver_rss(size: str) -> dict:
         return {"rss_mb": int(line.split()[1]) / 1024, "weights_mb": 4 * _params(size) / 1e6}
 
 
+def _s3_server():
+    """moto's S3 server on 127.0.0.1 (a port of the OS's choosing) in this process, one
+    bucket on it; (the server, the environment the ranks reach it with)."""
+    import logging
+    import uuid
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_EC2_METADATA_DISABLED": "true", "BENCH_S3_BUCKET": f"bench-{uuid.uuid4().hex[:8]}"}
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                 aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(
+        Bucket=env["BENCH_S3_BUCKET"])
+    return server, env
+
+
 def _params(size: str) -> int:
     """The model's parameter count, built on the meta device (no memory)."""
     import torch
@@ -412,6 +471,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: NCCL, one GPU per rank, staging into pinned host memory")
     ap.add_argument("--nproc", type=int, default=2, help="ranks (with cuda: at most the GPUs)")
+    ap.add_argument("--storage", default="local",
+                    help="local, s3 or local,s3: where the sharded paths write (s3: an S3 server "
+                         "of the bench's own, moto's, on 127.0.0.1; the other paths: local only)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size"), ap.add_argument("--strategy"), ap.add_argument("--path")
     ap.add_argument("--out")
@@ -426,25 +488,32 @@ def main() -> None:
                   f"{r['rss_mb'] - r['weights_mb']:>13.0f}", flush=True)
         return None
     paths = [p for p in args.paths.split(",") if p]
+    storages = [x for x in args.storage.split(",") if x]
     old = _old_checkout(args.checkout) if "full_state" in paths else None
+    server, s3_env = _s3_server() if "s3" in storages else (None, None)
+    runs = [(p, st) for p in paths for st in storages if st == "local" or p.startswith("sharded")]
     try:
-        print(f"{'size':>7} {'strat':>5} {'path':>13} {'params':>9} {'disk MB':>8} {'step s':>7} "
-              f"{'blocked s':>9} {'persist s':>9} {'restore s':>9} {'read MB/rank':>12} {'load MB/rank':>12} "
-              f"{'RSS MB r0/r1':>13}  ratios vs full_state (blocked, restore)")
+        print(f"{'size':>7} {'strat':>5} {'path':>13} {'store':>5} {'params':>9} {'disk MB':>8} {'step s':>7} "
+              f"{'step s*':>7} {'blocked s':>9} {'persist s':>9} {'restore s':>9} {'read MB/rank':>12} "
+              f"{'load MB/rank':>12} {'RSS MB r0/r1':>13}  ratios vs the first row (blocked, restore)"
+              "   (step s*: a step while the background write runs)")
         for size in args.sizes.split(","):
             for strategy in args.strategies.split(","):
                 ref = None
-                for path in paths:
+                for path, storage in runs:
                     r = run_one(size, strategy, path, args.repeat,
-                                old if path == "full_state" else ROOT, args.device, args.nproc)
+                                old if path == "full_state" else ROOT, args.device, args.nproc,
+                                storage, s3_env)
                     k = r["ranks"]
                     row = {f: max(x[f] for x in k) for f in ("step_s", "blocked_s", "persisted_s", "restore_s")}
                     ref = ref or row
                     reads = "/".join(f"{x['read_bytes'] / 1e6:.0f}" for x in k)
                     loads = "/".join(f"{x['load_bytes'] / 1e6:.0f}" for x in k)
                     rss = "/".join(f"{x['rss_mb']:.0f}" for x in k)
-                    print(f"{size:>7} {strategy:>5} {path:>13} {k[0]['params'] / 1e6:>8.1f}M "
-                          f"{r['disk_bytes'] / 1e6:>8.1f} {row['step_s']:>7.2f} {row['blocked_s']:>9.3f} "
+                    dur = [x["during_s"] for x in k if x.get("during_s") is not None]
+                    dur = f"{max(dur):>7.2f}" if dur else f"{'-':>7}"
+                    print(f"{size:>7} {strategy:>5} {path:>13} {storage:>5} {k[0]['params'] / 1e6:>8.1f}M "
+                          f"{r['disk_bytes'] / 1e6:>8.1f} {row['step_s']:>7.2f} {dur} {row['blocked_s']:>9.3f} "
                           f"{row['persisted_s']:>9.3f} {row['restore_s']:>9.3f} "
                           f"{reads:>12} {loads:>12} {rss:>13}  "
                           f"{row['blocked_s'] / ref['blocked_s']:.2f}x, {row['restore_s'] / ref['restore_s']:.2f}x"
@@ -470,6 +539,8 @@ def main() -> None:
                           f"{d['persisted_s']:.2f}" + (f" / {e['persisted_s']:.2f}" if e else ""),
                           flush=True)
     finally:
+        if server is not None:
+            server.stop()
         if old is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
                            capture_output=True, check=False)

@@ -4,6 +4,7 @@ entries under one key prefix alone (the model without the optimizer state)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import warnings
@@ -51,15 +52,16 @@ class local_copy:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def load_prefix(directory: str, prefix: str, no_dist: bool = True) -> dict[str, Any]:
+def load_prefix(directory, prefix: str, no_dist: bool = True) -> dict[str, Any]:
     """The entries of a DCP checkpoint whose key starts with ``prefix`` (the prefix
     stripped), as full CPU tensors, read from the shards that hold them and nothing
-    else (``model.``: the model alone, no optimizer state). Costs one copy of those
-    entries in memory."""
+    else (``model.``: the model alone, no optimizer state). ``directory``: a local
+    checkpoint directory, or a DCP storage reader. Costs one copy of those entries in
+    memory."""
     from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
     from torch.distributed.checkpoint import load as dcp_load
 
-    reader = FileSystemReader(directory)
+    reader = FileSystemReader(directory) if isinstance(directory, (str, os.PathLike)) else directory
     meta = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
              if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
@@ -80,8 +82,8 @@ def powersgd_keys(h, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_powersgd_keys(strategy, d: str, rank: int, world_size: int) -> None:
-    """Restore ``powersgd_keys`` from checkpoint directory ``d`` into the strategy's hook
+def load_powersgd_keys(strategy, d, rank: int, world_size: int) -> None:
+    """Restore ``powersgd_keys`` from checkpoint directory (or storage reader) ``d`` into the strategy's hook
     state; a rank's error feedback only at the world size it was written at (elsewhere
     it no longer matches the rank's share of the gradient and restarts from zero)."""
     saved = load_prefix(d, "comm_hook.", no_dist=True)

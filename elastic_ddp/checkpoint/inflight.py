@@ -1,13 +1,16 @@
 """An asynchronous checkpoint in flight (``CheckpointManager.save(asynchronous=True)``).
 
 The step loop is blocked only while DCP's ``async_save`` stages the state into host
-memory (a copy of this rank's share); the write to storage, this rank's checksums, the
-gather of the file records and rank 0's manifest run in a background thread over a gloo
+memory (a copy of this rank's share); the write to storage (on object storage: into a
+local staging directory, then uploaded in parallel), this rank's checksums, the gather
+of the file records and rank 0's manifest run in a background thread over a gloo
 process group of their own (background collectives on the training group could
 interleave with the step's). The checkpoint counts (Ray Train report: goodput, the
 restart point, the ledger's committed steps) only once every rank's write is done and
 the manifest is written: a kill before that leaves the previous checkpoint the newest
-complete one.
+complete one. A write that fails (a store error past the file system's retries) fails
+the checkpoint on every rank with one line naming the rank, the key and the store's
+error (``CheckpointManager.poll`` says it and goes on training; nothing is reported).
 
 Staging goes through one ``DefaultStager`` kept for the process (``_stager``): its staging
 buffers, one per tensor storage of the state, are allocated at the first asynchronous
@@ -102,10 +105,22 @@ class Pending:
 
 def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: int,
                run_state: dict, metrics: Optional[dict],
-               fault_hook: Optional[Callable[[str], None]] = None, report: bool = True) -> Pending:
-    """Stage ``state`` and start its write into ``dest`` (a local directory); returns
-    the :class:`Pending` checkpoint once the state is staged."""
+               fault_hook: Optional[Callable[[str], None]] = None, report: bool = True,
+               local: bool = True) -> Pending:
+    """Stage ``state`` and start its write into ``dest``; returns the :class:`Pending`
+    checkpoint once the state is staged. ``local``: ``dest`` is a local directory, DCP
+    writes into it; else DCP writes into a local staging directory whose files are
+    uploaded into ``dest`` (``checkpoint.upload``) and which is removed afterwards,
+    also when the write fails.
+
+    Whatever fails in this rank's write (DCP's, a checksum, an upload) becomes this
+    rank's error line, and every rank still meets the others at the gather of the file
+    records: no rank waits on one that gave up. Every rank's ``Pending.error`` is then
+    the same ``CheckpointWriteError`` (no manifest written)."""
     from torch.distributed.checkpoint import FileSystemWriter, async_save
+
+    from elastic_ddp.checkpoint.upload import (CheckpointWriteError, remove_staging,
+                                               staging_dir, write_failure)
 
     group = _gloo_group()
     device = (torch.device("cuda", torch.cuda.current_device())
@@ -119,16 +134,32 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
     p.report = report
     stager = _stager(device)
     extra = {"async_stager": stager} if stager is not None else {}
-    future = async_save(state, storage_writer=FileSystemWriter(dest), process_group=group, **extra)
+    target = dest if local else staging_dir()
+    try:
+        future = async_save(state, storage_writer=FileSystemWriter(target), process_group=group,
+                            **extra)
+    except BaseException:
+        if not local:
+            remove_staging(target)
+        raise
     lead = manager.rank == 0
 
     def finish() -> None:
+        records, error = {}, None
         try:
-            future.result()
-            records = manager.records(fs, dest, dest, lead, True, fault_hook)
+            try:
+                future.result()
+                records = manager.records(fs, target, dest, lead, local, fault_hook)
+            except CheckpointWriteError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - DCP's write, a checksum: one line too
+                error = write_failure(manager.rank, target if local else dest, e)
+            finally:
+                if not local:
+                    remove_staging(target)
             manager.finish_write(fs, dest, step, run_state, records, lead, group=group,
-                                 reported=report)
-        except BaseException as e:  # noqa: BLE001 - raised in the step loop at the commit
+                                 reported=report, error=error)
+        except BaseException as e:  # noqa: BLE001 - handled in the step loop at the commit
             p.error = e
 
     p.thread = threading.Thread(target=finish, name=f"checkpoint-{step}", daemon=True)

@@ -64,11 +64,29 @@ def checkpoint_step(path: str) -> int:
     return o[0] if o else -1
 
 
-def run_dir(storage_path: str, run_name: str):
-    """(pyarrow file system, the run's directory on it)."""
-    from elastic_ddp.paths import uri_to_filesystem
+#: The file systems made for storage URIs, by the URI and the environment that configures
+#: them: making an S3 file system costs 50-300 ms (its client and credential chain), paid
+#: inside the training-blocked part of every checkpoint otherwise.
+_FILESYSTEMS: dict[tuple, tuple] = {}
+_FS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+           "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "GOOGLE_APPLICATION_CREDENTIALS")
 
-    fs, base = uri_to_filesystem(storage_path)
+
+def run_dir(storage_path: str, run_name: str):
+    """(pyarrow file system, the run's directory on it). The file system of a URI is made
+    once per process and configuration (pyarrow's file systems are thread-safe; an S3
+    client refreshes expiring credentials itself)."""
+    import os
+
+    from elastic_ddp.paths import is_uri, uri_to_filesystem
+
+    if is_uri(storage_path):
+        key = (str(storage_path), *(os.environ.get(k) for k in _FS_ENV))
+        if key not in _FILESYSTEMS:
+            _FILESYSTEMS[key] = uri_to_filesystem(storage_path)
+        fs, base = _FILESYSTEMS[key]
+    else:
+        fs, base = uri_to_filesystem(storage_path)
     return fs, f"{base.rstrip('/')}/{run_name}"
 
 

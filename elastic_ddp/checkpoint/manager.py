@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Optional
 
@@ -30,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.checkpoint.checksum import (
-    ALGO, digest_bytes, file_record, share_of, size_mismatches, start_verify)
+    ALGO, digest_bytes, share_of, size_mismatches, start_verify)
 from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powersgd_keys, single_process
+from elastic_ddp.checkpoint.upload import (CheckpointWriteError, local_records, my_files,
+                                           remove_staging, staging_dir, upload)
 from elastic_ddp.checkpoint.layout import (
     CONFIG, FORMAT, LEGACY_FORMAT, MANIFEST, RUN_STATE, CheckpointCorruptError, CheckpointError,
     checkpoint_name, complete_checkpoints, describe, free_name, incomplete_checkpoints,
@@ -104,17 +104,25 @@ class CheckpointManager:
         once every rank reported). Every rank calls it. Not ``collective``: only the
         ``writer`` writes. Returns the checkpoint's path (the writing ranks).
 
-        ``asynchronous`` (collective, local storage): returns once the state is
-        staged to host memory (DCP ``async_save``); the write, the checksums and the
-        manifest finish in the background, and the report follows at the first
-        ``poll()`` that finds every rank's write done (``checkpoint.inflight``). At most
-        one is in flight: a save waits for the previous one first.
+        ``asynchronous`` (collective): returns once the state is staged to host memory
+        (DCP ``async_save``); the write (on object storage: into a local staging
+        directory, then uploaded), the checksums and the manifest finish in the
+        background, and the report follows at the first ``poll()`` that finds every
+        rank's write done (``checkpoint.inflight``). At most one is in flight: a save
+        waits for the previous one first. A background write that fails is said in one
+        line at that ``poll()`` and not reported; training goes on.
 
         Costs: each rank's share of the state serialised once and read once more (from
-        the page cache) for its XXH3 checksum; one ``all_gather_object`` of the file
-        records; rank 0 writes the small files.
-        ``fault_hook(shard_path)``: a test hook run after the shards are written and before
-        the manifest (the window a crash must not turn into a checkpoint)."""
+        the page cache) for its XXH3 checksum; on object storage, a local copy of this
+        rank's files while they upload; one ``all_gather_object`` of the file records;
+        rank 0 writes the small files.
+        ``fault_hook(shard_path)``: a test hook run after this rank's shards are written
+        (locally) and before their upload and the manifest (the window a crash must not
+        turn into a checkpoint).
+
+        Raises:
+            CheckpointWriteError: a synchronous write failed on some rank (one line: the
+                rank, the key, the store's error); nothing is reported."""
         import pyarrow.fs as pafs
 
         from elastic_ddp.checkpoint.inflight import save_async
@@ -127,7 +135,8 @@ class CheckpointManager:
         name = checkpoint_name(step)
         if lead:
             name = free_name(fs, base, step)
-            fs.create_dir(f"{base}/{name}", recursive=True)
+            if local:  # an object store has no directories (a marker object: one more PUT)
+                fs.create_dir(f"{base}/{name}", recursive=True)
         name = self._broadcast(name)
         dest = f"{base}/{name}"
         if not writes:
@@ -140,51 +149,93 @@ class CheckpointManager:
                                      self.rank, self.world_size)
         if strategy.hook_state is not None:
             state["comm_hook"] = powersgd_keys(strategy.hook_state, self.rank, self.world_size)
-        if asynchronous and self.collective and local:
+        if asynchronous and self.collective:
             self.pending = save_async(self, state, fs, dest, name, step, dict(run_state),
-                                      metrics, fault_hook, report)
+                                      metrics, fault_hook, report, local)
             return dest
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint import save as dcp_save
 
-        target = dest if local else tempfile.mkdtemp(prefix="elastic-ddp-ckpt-")
+        target, records, error = dest if local else staging_dir(), {}, None
         try:
             with single_process(not self.collective):
                 dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
             records = self.records(fs, target, dest, lead, local, fault_hook)
+        except CheckpointWriteError as e:  # every rank still meets the others' gather
+            error = str(e)
         finally:
             if not local:
-                shutil.rmtree(target, ignore_errors=True)
-        self.finish_write(fs, dest, step, run_state, records, lead, reported=report)
+                remove_staging(target)
+        try:
+            self.finish_write(fs, dest, step, run_state, records, lead, reported=report,
+                              error=error)
+        except CheckpointWriteError as e:
+            # Synchronous: the step loop waited for this checkpoint; the job stops with
+            # the line (a restart resumes from the previous checkpoint).
+            self.failed(e, fs, dest)
+            raise
         if report:
             self._report(metrics, fs, dest, name, lead)
         return dest
 
     def records(self, fs, target: str, dest: str, lead: bool, local: bool,
-                 fault_hook=None) -> dict:
-        """This rank's files of the checkpoint written in local directory ``target``
-        (copied to ``dest`` on a remote file system), with their sizes and checksums."""
-        import pyarrow.fs as pafs
+                fault_hook=None) -> dict:
+        """This rank's files of the checkpoint DCP wrote into local directory ``target``,
+        with their sizes and checksums (read from ``target``); on a remote file system
+        then uploaded into ``dest`` (``checkpoint.upload``).
 
+        Raises:
+            CheckpointWriteError: an upload failed (one line: rank, key, the store's error).
+        """
         me = self.rank if self.collective else 0
-        mine = sorted(f for f in os.listdir(target) if f.startswith(f"__{me}_"))
-        if lead:
-            mine.append(".metadata")
-        if not local:
-            for f in mine:
-                pafs.copy_files(os.path.join(target, f), f"{dest}/{f}", destination_filesystem=fs)
-        records = {f: file_record(pafs.LocalFileSystem(), os.path.join(target, f)) for f in mine}
+        mine = my_files(target, me, lead)
+        records = local_records(target, mine)
         if fault_hook is not None and mine:
             fault_hook(os.path.join(target, mine[0]))
+        if not local:
+            upload(fs, target, mine, dest, self.rank)
         return records
 
     def finish_write(self, fs, dest: str, step: int, run_state: dict, records: dict, lead: bool,
-                group=None, reported: bool = True) -> None:
-        """Gather every rank's file records; rank 0 writes the small files and the manifest
-        (``reported``: whether the checkpoint is committed through ``ray.train.report``)."""
-        files = self._gather(records, group)
+                     group=None, reported: bool = True, error: Optional[str] = None) -> None:
+        """Gather every rank's file records (or its write's ``error`` line); rank 0 writes
+        the small files and the manifest, last, once every rank's files are on storage
+        (``reported``: whether the checkpoint is committed through ``ray.train.report``).
+
+        Raises:
+            CheckpointWriteError: on every rank, when any rank's write failed (the first
+                failing rank's line); no manifest is written.
+        """
+        if not self.collective:
+            files, errors = dict(records), [error] if error else []
+        else:
+            parts: list = [None] * self.world_size
+            dist.all_gather_object(parts, (records, error), group=group)
+            files = {k: v for r, _ in parts for k, v in r.items()}
+            errors = [e for _, e in parts if e]
+        if errors:
+            raise CheckpointWriteError(errors[0])
         if lead:
             self._write_small(fs, dest, step, run_state, files, reported)
+
+    def failed(self, e: BaseException, fs, dest: str) -> None:
+        """A checkpoint whose write failed (every rank, after the gather): rank 0 says so
+        in one line (stderr, the run's log, a ``checkpoint_failed`` event) and removes what
+        was written of it (best effort: a store that refuses writes may refuse that too;
+        a directory without a manifest is never used, and a restore removes it)."""
+        if self.rank != 0:
+            return
+        msg = f"elastic-ddp: warning: {e}; the previous checkpoint stays the restart point"
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+        self.log(msg)
+        if self.tracker is not None:
+            self.tracker.event({"type": "checkpoint_failed", "t": time.time(), "checkpoint": dest,
+                                "cause": msg})
+        try:
+            fs.delete_dir(dest)
+        except OSError:
+            pass
 
     def _report(self, metrics, fs, dest: str, name: str, lead: bool) -> None:
         import ray.train
@@ -211,6 +262,11 @@ class CheckpointManager:
 
     def _commit(self) -> None:
         p, self.pending = self.pending, None
+        if isinstance(p.error, CheckpointWriteError):
+            # A background write that failed: said in one line, not reported; training
+            # goes on, and the previous checkpoint stays the restart point.
+            self.failed(p.error, p.fs, p.dest)
+            return
         p.raise_error()
         if p.report:
             self._report(p.metrics, p.fs, p.dest, p.name, self.rank == 0)
@@ -342,11 +398,30 @@ class CheckpointManager:
         verify, and no step runs before. Returns (every rank's bad files, the run state:
         None when a file is bad). Raises CheckpointError: the files verify and do not fit
         this config's model."""
+        import contextlib
+
         import pyarrow.fs as pafs
         from torch.distributed.checkpoint import CheckpointException, FileSystemReader
         from torch.distributed.checkpoint import load as dcp_load
 
-        with local_copy(fs, path) as d:
+        from elastic_ddp.checkpoint.remote_read import overlay, share_view
+        from elastic_ddp.checkpoint.store_reader import StoreReader
+
+        local = isinstance(fs, pafs.LocalFileSystem)
+        # Object storage: this rank's share of the files downloaded (and verified there),
+        # the rest of what it loads by ranged reads; never the whole checkpoint.
+        view = (contextlib.nullcontext(path) if local
+                else share_view(fs, path, sorted(set(share) | {".metadata"})))
+        views: list = []
+
+        def reader():
+            if local:
+                return FileSystemReader(d)
+            view, remote_bytes = overlay(fs, path, d)
+            views.append(remote_bytes)
+            return StoreReader(path, filesystem=view)
+
+        with view as d:
             check = start_verify(pafs.LocalFileSystem(), d, manifest, share)
             state, error = self.model_optimizer_state(strategy), None
             # Replicated tensors (ddp, zero1's model): each rank reads its share, then the
@@ -356,7 +431,7 @@ class CheckpointManager:
             mine = replicated_share(state, parts, self.rank, self.world_size)
             try:
                 with single_process(not self.collective):
-                    dcp_load(mine, storage_reader=FileSystemReader(d), no_dist=not self.collective)
+                    dcp_load(mine, storage_reader=reader(), no_dist=not self.collective)
                 for part in parts:  # DCP sets non-tensor values in the dicts it was given
                     state[part].update(mine[part])
             # DCP wraps every rank's error in a CheckpointException (a BaseException).
@@ -375,10 +450,17 @@ class CheckpointManager:
             if error is not None:
                 raise _misfit(path, describe(manifest), error) from error
             if strategy.hook_state is not None:
-                load_powersgd_keys(strategy, d, self.rank, self.world_size)
-            with open(os.path.join(d, RUN_STATE)) as f:
-                run_state = json.load(f)
+                load_powersgd_keys(strategy, reader(), self.rank, self.world_size)
+            with fs.open_input_stream(f"{path}/{RUN_STATE}") as f:
+                run_state = json.loads(f.read())
+            if not local:
+                self.read_bytes = (sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+                                   + sum(n() for n in views))
         return [], {k: run_state[k] for k in RUN_KEYS if k in run_state}
+
+    #: Bytes this rank read from object storage at its last restore (downloaded share
+    #: and ranged reads; the small files read whole not counted); 0 on local storage.
+    read_bytes = 0
 
     def _load_legacy(self, strategy, fs, path: str) -> dict:
         from elastic_ddp.checkpoint.legacy import load_state
@@ -410,13 +492,6 @@ class CheckpointManager:
         return {k: state[k] for k in RUN_KEYS if k in state}
 
     # ------------------------------------------------------------------ collectives
-    def _gather(self, records: dict, group=None) -> dict:
-        if not self.collective:
-            return dict(records)
-        parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, records, group=group)
-        return {k: v for p in parts for k, v in p.items()}
-
     def _all(self, items: list) -> list:
         """Every rank's ``items``, concatenated in rank order."""
         if not self.collective:

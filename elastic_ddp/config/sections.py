@@ -221,7 +221,7 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept (newest K).")
     async_checkpoint: bool = Field(
         False, description="Write checkpoints in the background (restart mode, several workers, "
-        "local or shared-file storage): the step loop waits only while the state is copied to "
+        "local, shared or object storage): the step loop waits only while the state is copied to "
         "host memory; a checkpoint counts once every rank's write and the manifest are done."
     )
     checksum_every_steps: int = Field(
