@@ -203,6 +203,31 @@ def test_a_bound_that_is_not_a_number_exits_2_naming_the_variable(tmp_path, digi
     assert "ELASTIC_DDP_CONNECT_TIMEOUT_S='soon': not a positive number of seconds" in line, line
 
 
+def test_a_loopback_only_cluster_is_told_from_one_on_every_interface():
+    """Which 127.0.0.1 addresses the driver joins on loopback: a port that answers on
+    127.0.0.1 and not at the host's address (where Ray would connect instead); one bound
+    to every interface is left to Ray, and so is an address that is not loopback. On a
+    host without a route (Ray keeps 127.0.0.1 itself) nothing is rewritten."""
+    from elastic_ddp.compat.ray_local import host_address
+    from elastic_ddp.driver.network_checks import loopback_only
+
+    outside = host_address()
+    with contextlib.ExitStack() as stack:
+        ports = {}
+        for bind in ("127.0.0.1", "0.0.0.0"):
+            s = stack.enter_context(socket.socket())
+            s.bind((bind, 0))
+            s.listen(4)
+            ports[bind] = s.getsockname()[1]
+        rewritten = outside is not None and not outside.startswith("127.")
+        assert loopback_only(f"127.0.0.1:{ports['127.0.0.1']}") is rewritten
+        assert loopback_only(f"localhost:{ports['127.0.0.1']}") is rewritten
+        assert loopback_only(f"127.0.0.1:{ports['0.0.0.0']}") is False
+        if rewritten:
+            assert loopback_only(f"{outside}:{ports['0.0.0.0']}") is False
+        assert loopback_only(f"ray://127.0.0.1:{ports['127.0.0.1']}") is False
+
+
 # --------------------------------------------------------------------------- MLflow
 @pytest.mark.parametrize("server", ["silent", "slow"])
 def test_a_tracking_server_that_does_not_answer_in_time_exits_2_before_any_work(
