@@ -15,6 +15,8 @@
   on (:data:`LOOPBACK_DRIVER_RAY`).
 - :func:`host_address`: the address Ray puts in place of 127.0.0.1 (``ray._raylet
   .node_ip_address_from_perspective``); without it, the same UDP-route lookup.
+- :func:`exit_during_init`: ``os._exit`` for a watchdog whose ``ray.init`` hangs in Ray's
+  C++ core (``driver.network_checks.connect_ray``).
 - :func:`session_logs_dir`: the connected node's log directory (``ray._private.worker
   ._global_node``), so the driver's Ray log lines go beside Ray's own. None in client
   mode or when the attribute is gone.
@@ -73,6 +75,18 @@ def init_on_loopback(init: Callable[..., Any], kw: dict[str, Any],
     with cluster_mode(False):
         init(_node_ip_address=loopback, **kw)
     return True
+
+
+def exit_during_init(code: int) -> None:
+    """End this process at once with ``code`` (``os._exit``, documented in Python's
+    ``os``), from a thread other than the one in ``ray.init``: ray.init waits for a GCS
+    inside Ray's C++ core, which neither an exception nor a signal handler interrupts
+    until it returns. What it costs: no atexit handlers and no ``finally`` blocks run
+    (the caller has printed its line and flushed; the MLflow helper exits when its stdin
+    closes)."""
+    import os
+
+    os._exit(code)
 
 
 def host_address() -> Optional[str]:

@@ -187,7 +187,7 @@ def connect_ray(init_kw: dict[str, Any]) -> None:
     waits inside Ray's C++ core, where nothing in this process can interrupt it."""
     import ray
 
-    from elastic_ddp.compat.ray_local import init_on_loopback
+    from elastic_ddp.compat.ray_local import exit_during_init, init_on_loopback
 
     addr = os.environ.get("RAY_ADDRESS", "").strip()
     check_ray_gcs(addr)
@@ -205,7 +205,7 @@ def connect_ray(init_kw: dict[str, Any]) -> None:
               f"cluster (ray status --address {where}), {_RAY_FIX} (a slow network: raise "
               f"{TIMEOUT_ENV}, now {_s(bound / RAY_INIT_FACTOR)})", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(2)
+        exit_during_init(2)
 
     threading.Thread(target=watchdog, name="ray-init-watchdog", daemon=True).start()
     try:
