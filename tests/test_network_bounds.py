@@ -327,3 +327,25 @@ def test_ray_address_of_the_projects_loopback_only_cluster_trains(tmp_path, digi
                           "scaling": {"min_workers": 1, "max_workers": 1}}, timeout=420)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "=== elastic-ddp summary ===" in p.stdout and "steps / epochs:   23 / 1.00" in p.stdout
+
+
+def test_submit_to_a_job_api_that_never_answers_ends_within_the_bound(tmp_path):
+    """``elastic-ddp submit --address`` at a port that accepts and never answers (Ray's
+    job client sends its requests without a timeout): one line naming the address, what
+    did not answer and the fix; exit 1 like any job API it cannot reach."""
+    with silent_listener() as port:
+        address = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, PYTHONPATH=str(REPO), ELASTIC_DDP_CONNECT_TIMEOUT_S=str(BOUND))
+        t = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "elastic_ddp", "submit",
+                            str(REPO / "experiments" / "configs" / "digits_cnn.yaml"),
+                            "--address", address, "--set", "train.epochs=1"],
+                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        took = time.monotonic() - t
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    line = _last_line(p)
+    assert line.startswith(f"elastic-ddp: submit failed: cannot reach the Ray job API at {address}: "
+                           f"accepted the connection but did not answer GET {address}/api/version "
+                           f"within {BOUND:g} s"), line
+    assert "Is the cluster up" in line and "Traceback" not in p.stderr
+    assert took < BOUND + SLACK, took

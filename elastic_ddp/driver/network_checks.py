@@ -222,6 +222,25 @@ def connect_ray(init_kw: dict[str, Any]) -> None:
         done.set()
 
 
+def http_unanswered(url: str, timeout_s: Optional[float] = None) -> Optional[str]:
+    """What did not answer when a GET of ``url`` gets no answer (or answers slower than
+    ``timeout_s``, default :func:`connect_timeout_s`): "accepted the connection but did
+    not answer GET URL within 15 s". None for any answer, and for a refused or failed
+    connection (the caller's client says those itself, at once)."""
+    import urllib.error
+    import urllib.request
+
+    timeout = connect_timeout_s() if timeout_s is None else timeout_s
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            r.read(1)
+    except (OSError, ValueError) as e:
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            return (f"accepted the connection but did not answer GET {url} within "
+                    f"{_s(timeout)} (raise {TIMEOUT_ENV} on a slow network)")
+    return None
+
+
 def bound_mlflow_requests() -> None:
     """MLflow's per-request timeout and retry count for this process and the ones it
     starts (:data:`MLFLOW_KNOBS`), unless already set: a tracking server that stops
