@@ -182,9 +182,15 @@ def loopback_only(addr: str) -> bool:
 def connect_ray(init_kw: dict[str, Any]) -> None:
     """``ray.init(**init_kw)`` of the cluster ``RAY_ADDRESS`` names, bounded: the address
     must answer (:func:`check_ray_gcs`), a loopback-only cluster is joined on 127.0.0.1,
-    and ``ray.init`` gets :data:`RAY_INIT_FACTOR` bounds. When that passes, one line naming
-    the address and the fix goes to stderr and the process exits 2 at once: ``ray.init``
-    waits inside Ray's C++ core, where nothing in this process can interrupt it."""
+    and ``ray.init`` gets :data:`RAY_INIT_FACTOR` bounds. When it has not returned by then,
+    one line naming the address and the fix goes to stderr and the process exits 2 at
+    once: ``ray.init`` waits inside Ray's C++ core, where nothing in this process can
+    interrupt it.
+
+    Raises:
+        ConfigError: see :func:`check_ray_gcs`; a loopback-only cluster on a Ray release
+            :func:`~elastic_ddp.compat.ray_local.init_on_loopback` was not tested on.
+    """
     import ray
 
     from elastic_ddp.compat.ray_local import exit_during_init, init_on_loopback
@@ -227,7 +233,6 @@ def http_unanswered(url: str, timeout_s: Optional[float] = None) -> Optional[str
     ``timeout_s``, default :func:`connect_timeout_s`): "accepted the connection but did
     not answer GET URL within 15 s". None for any answer, and for a refused or failed
     connection (the caller's client says those itself, at once)."""
-    import urllib.error
     import urllib.request
 
     timeout = connect_timeout_s() if timeout_s is None else timeout_s
