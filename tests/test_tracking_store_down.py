@@ -82,22 +82,28 @@ def test_a_local_store_is_not_refused_by_the_check(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_listening_server_passes(tmp_path, monkeypatch):
-    """A server that takes the connection but does not answer the HTTP request in time
-    is left to MLflow (a cold server may be slow); the probe waits no longer than the
-    connection does."""
+def test_a_server_that_accepts_and_never_answers_is_refused_within_the_bound(tmp_path, monkeypatch):
+    """A server that takes the connection but does not answer the HTTP request within
+    ``ELASTIC_DDP_CONNECT_TIMEOUT_S`` is refused (MLflow's client would wait 120 s on each
+    of 7 tries), in about that time; a closed database port is refused too."""
+    import time
+
     from elastic_ddp.config import ConfigError
-    from elastic_ddp.driver import preflight
     from elastic_ddp.driver.preflight import check_tracking_store
 
-    monkeypatch.setattr(preflight, "STORE_CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("ELASTIC_DDP_CONNECT_TIMEOUT_S", "0.5")
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
+    port = srv.getsockname()[1]
+    t = time.monotonic()
     try:
-        check_tracking_store(f"http://127.0.0.1:{srv.getsockname()[1]}/")
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port} accepted the connection but "
+                                              "did not answer GET"):
+            check_tracking_store(f"http://127.0.0.1:{port}/")
     finally:
         srv.close()
+    assert time.monotonic() - t < 3
     with pytest.raises(ConfigError, match="postgresql"):
         check_tracking_store(f"postgresql://u:p@127.0.0.1:{_closed_port()}/db")
 

@@ -69,6 +69,7 @@ def init_ray(cfg: Config) -> None:
     ``ELASTIC_DDP_RAY_LOGS=1`` (``elastic-ddp train --ray-logs``)."""
     import ray
 
+    from elastic_ddp.driver import network_checks
     from elastic_ddp.driver.local_ray import RayDriverLog, init_local_ray, ray_logs_on_console
 
     if ray.is_initialized():
@@ -81,7 +82,7 @@ def init_ray(cfg: Config) -> None:
     log_kw = ({"configure_logging": True, "logging_level": "INFO", "log_to_driver": True}
               if verbose else {"configure_logging": False, "log_to_driver": False})
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(**log_kw)
+        network_checks.connect_ray(log_kw)  # bounded; a loopback-only cluster on 127.0.0.1
     else:
         # A laptop/CI run: a local cluster with enough logical CPUs for max_workers plus
         # Ray Data's read and transform tasks; the workers set their own torch thread

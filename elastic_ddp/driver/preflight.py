@@ -18,35 +18,19 @@ if TYPE_CHECKING:
 
 
 def check_ray_address() -> None:
-    """Refuse a ``RAY_ADDRESS`` nothing answers at, before anything starts: ``ray.init``
+    """Refuse a ``RAY_ADDRESS`` that does not answer, before anything starts: ``ray.init``
     would wait for its GCS for minutes without saying why.
 
     Raises:
-        ConfigError: ``host:port`` (or ``ray://host:port``) refuses a TCP connection
-            within 5 s.
+        ConfigError: ``host:port`` (or ``ray://host:port``) refuses a connection, or
+            accepts it and sends nothing, within ``ELASTIC_DDP_CONNECT_TIMEOUT_S``
+            (:func:`elastic_ddp.driver.network_checks.check_ray_gcs`).
     """
-    import socket
-    from urllib.parse import urlsplit
-
-    from elastic_ddp.config import ConfigError
+    from elastic_ddp.driver.network_checks import check_ray_gcs
 
     addr = os.environ.get("RAY_ADDRESS", "").strip()
-    if not addr or addr in ("auto", "local"):
-        return
-    parts = urlsplit(addr if "://" in addr else f"tcp://{addr}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if not host or not port:
-        return
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-    except OSError as e:
-        raise ConfigError(
-            f"RAY_ADDRESS={addr}: nothing answers at {host}:{port} ({e.strerror or e}); start "
-            "the cluster first (ray start --head, or cluster/local_cluster.py start), point "
-            "RAY_ADDRESS at its GCS address, or unset RAY_ADDRESS to train on a local Ray") from None
+    if addr and addr not in ("auto", "local"):
+        check_ray_gcs(addr)
 
 
 # A tracking server's scheme -> its default port, for the reachability check.
@@ -159,17 +143,21 @@ def check_tracking_store(uri: str, field: str = "run.tracking_uri") -> None:
         raise ConfigError(f"{field}={uri!r}: {e}") from None
     if not host:
         return
+    from elastic_ddp.driver.network_checks import bound_mlflow_requests, connect_timeout_s
+
+    timeout = connect_timeout_s()
     try:
-        socket.create_connection((host, port), timeout=STORE_CONNECT_TIMEOUT_S).close()
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
         why = "no answer" if isinstance(e, socket.timeout) else (e.strerror or str(e))
         raise ConfigError(
             f"{field}={uri}: the MLflow tracking store does not answer at {host}:{port} "
-            f"({why} within {STORE_CONNECT_TIMEOUT_S:.0f} s); start it (mlflow server --host "
+            f"({why} within {timeout:g} s); start it (mlflow server --host "
             f"{host} --port {port}), point {field} at a running one, or leave run.tracking_uri "
             "and MLFLOW_TRACKING_URI unset for a local sqlite store (mlflow.db)") from None
     if scheme in ("http", "https"):
-        check_mlflow_answers(uri, field, host, port)
+        check_mlflow_answers(uri, field, host, port, timeout)
+        bound_mlflow_requests()  # the job's own requests: MLflow's knobs, bounded
 
 
 # A request of the kind MLflow's client makes first (an experiment looked up by name),
@@ -181,17 +169,20 @@ _PROBE_PATH = "/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
 _PROBE_INCONCLUSIVE = (401, 403, 407, 429)
 
 
-def check_mlflow_answers(uri: str, field: str, host: str, port: int) -> None:
+def check_mlflow_answers(uri: str, field: str, host: str, port: int,
+                         timeout: float = STORE_CONNECT_TIMEOUT_S) -> None:
     """Refuse an HTTP server that answers but is not MLflow's (a web page, a static file
     server, a wrong path prefix): MLflow's client would fail on its first request after
-    the data scan, with a traceback. One GET of MLflow's experiment look-up, at most
-    :data:`STORE_CONNECT_TIMEOUT_S` seconds; an answer that is MLflow's JSON (the
-    experiment, or an ``error_code``) passes, and so does anything the probe cannot
-    judge: no answer in time, a TLS failure, 401/403/407/429, a 5xx.
+    the data scan, with a traceback; and one that accepts the connection but does not
+    answer (or answers slower than ``timeout`` seconds): MLflow's client would wait
+    ``MLFLOW_HTTP_REQUEST_TIMEOUT`` on each of its retries. One GET of MLflow's
+    experiment look-up; an answer that is MLflow's JSON (the experiment, or an
+    ``error_code``) passes, and so does anything the probe cannot judge: a TLS failure,
+    a dropped connection, 401/403/407/429, a 5xx.
 
     Raises:
         ConfigError: naming ``field``, the URI, the HTTP status and content type that
-            answered, and the fix.
+            answered (or that no answer came in time), and the fix.
     """
     import json
     import urllib.error
@@ -202,7 +193,7 @@ def check_mlflow_answers(uri: str, field: str, host: str, port: int) -> None:
     url = uri.rstrip("/") + _PROBE_PATH
     req = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=STORE_CONNECT_TIMEOUT_S) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             status, ctype, body = r.status, r.headers.get_content_type(), r.read(1 << 16)
     except urllib.error.HTTPError as e:
         status, ctype = e.code, e.headers.get_content_type() if e.headers else None
@@ -210,7 +201,14 @@ def check_mlflow_answers(uri: str, field: str, host: str, port: int) -> None:
             body = e.read(1 << 16)
         except OSError:
             body = b""
-    except (OSError, ValueError):  # no answer in time, TLS, a dropped connection
+    except (OSError, ValueError) as e:  # no answer in time, TLS, a dropped connection
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            raise ConfigError(
+                f"{field}={uri}: the server at {host}:{port} accepted the connection but did not "
+                f"answer GET {url.split('?', 1)[0]} within {timeout:g} s; check that the MLflow "
+                f"server there is running and not overloaded (mlflow server --host {host} --port "
+                f"{port}), point {field} at one that answers, or raise ELASTIC_DDP_CONNECT_TIMEOUT_S "
+                "(a slow network)") from None
         return
     try:
         answer = json.loads(body)

@@ -332,7 +332,11 @@ def submit(config: str, overrides: list[str], address: str = DEFAULT_ADDRESS,
         print(f"elastic-ddp submit: warning: {w}", file=sys.stderr)
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    from elastic_ddp.driver.network_checks import http_unanswered
+
     try:
+        if why := http_unanswered(address.rstrip("/") + "/api/version"):  # Ray's has no timeout
+            raise ConnectionError(why)
         client = JobSubmissionClient(address, headers=headers)
     except Exception as e:  # noqa: BLE001 - connection and auth errors, reworded
         raise SubmitError(f"cannot reach the Ray job API at {address}: {e}. Is the cluster "
