@@ -178,3 +178,53 @@ def test_a_create_that_reaches_the_store_late_does_not_overwrite_the_holder(s3):
     rec = json.loads(s3.client.get_object(Bucket=s3.name, Key="runs/.leases/late.json")["Body"].read())
     assert rec["since"] == a.record["since"], "the late write replaced the holder's record"
     a.release()
+
+
+@pytest.mark.slow  # about 2 minutes: a digits job on a local Ray with its storage on S3
+@pytest.mark.ray  # the job that wins starts its own local Ray
+def test_two_cli_jobs_of_one_run_on_s3_storage_one_trains_the_other_is_refused(tmp_path, digits_data, s3):
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from conftest import digits_config, mlflow_runs
+
+    raw = digits_config(digits_data, tmp_path, {
+        "scaling": {"min_workers": 1, "max_workers": 1},
+        "train": {"epochs": 1, "max_steps": 20, "checkpoint_every_steps": 10, "log_every_steps": 2},
+        "run": {"name": "twin", "storage_path": s3.uri("runs")}})
+    raw["data"]["val_path"] = None
+    cfg = tmp_path / "twin.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    env = dict(os.environ, **s3.env, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("RAY_ADDRESS", None)
+    a, b = (subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             cwd=tmp_path) for _ in range(2))
+    done = {}
+    deadline = time.monotonic() + 400
+    while len(done) < 2 and time.monotonic() < deadline:
+        for p in (a, b):
+            if p not in done and p.poll() is not None:
+                done[p] = p.communicate()
+        time.sleep(0.5)
+    for p in (a, b):
+        if p not in done:
+            p.kill()
+    assert len(done) == 2, "a job hung"
+    first, second = list(done)
+    assert second.returncode == 0, done[second][1][-3000:]
+    assert first.returncode == 2, done[first]
+    err = done[first][1].strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"elastic-ddp: run in use: run.name='twin' in {s3.uri('runs')} is in "
+                             f"use by a live job on host {socket.gethostname()}, pid {second.pid}, "
+                             "since "), err
+    runs = mlflow_runs(tmp_path)
+    assert [r.info.status for r in runs] == ["FINISHED"], [(r.info.status, r.data.tags) for r in runs]
+    assert s3.keys("runs/.leases/") == [], "the winner released its lease"
+    assert any(k.startswith("runs/twin/checkpoint_step") for k in s3.keys("runs/twin/"))

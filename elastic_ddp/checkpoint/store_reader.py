@@ -20,8 +20,9 @@ Only public DCP API is used (``StorageReader``, ``Metadata``, the planner's
 transform (DCP's experimental extensions: compression) are refused by name: elastic-ddp
 writes none.
 
-Time bounds and retries are pyarrow's S3 client's (the AWS SDK's: a connect and a request
-timeout, and its standard retry strategy on throttling and transient errors).
+Each read's time bound and retries are those of the file system handed in (pyarrow's S3
+client: its connect and request timeouts and its retry strategy, as
+``paths.uri_to_filesystem`` configures them); this reader adds none of its own.
 """
 
 from __future__ import annotations
