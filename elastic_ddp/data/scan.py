@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic_ddp.data.columns import check_column, unify_field
-from elastic_ddp.data.files import ParquetSource, open_parquet, read_columns, read_row_group
+from elastic_ddp.data.files import ParquetSource, open_input, read_columns, read_row_group
 from elastic_ddp.data.order import RowGroup
 from elastic_ddp.paths import is_uri, uri_to_filesystem
 from elastic_ddp.tasks.protocol import Column
@@ -136,7 +136,8 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
         returned, not raised, so that the first file in order reports first."""
         f = files[i]
         try:
-            with open_parquet(ParquetSource(f, sizes[i])) as pf:
+            handle = open_input(ParquetSource(f, sizes[i]))
+            with pq.ParquetFile(handle) as pf:
                 schema, md = pf.schema_arrow, pf.metadata
                 checked = {}
                 for name, spec in wanted.items():
@@ -145,7 +146,9 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                             check_column(pf, f, name, spec, DataError)
                         except DataError as e:
                             checked[name] = e
-                return schema, md, checked
+                # An object store's open file is kept for the id read (no second HEAD
+                # and footer request); a local one is closed (a descriptor each).
+                return schema, md, checked, handle if isinstance(handle, pa.NativeFile) else None
         except (pa.ArrowException, OSError) as exc:
             return DataError(f"{f}: not a valid Parquet file ({_one_line(exc)}); delete or "
                              "re-write it, or move it out of the data directory")
@@ -155,11 +158,11 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
     rows_per_file: list[int] = []
     digest = hashlib.sha256()
     id_ranges: list[tuple[int, int, int]] = []
-    footers: list[pq.FileMetaData] = []
+    footers: list[tuple] = []  # (footer, open input file or None) per file
     for fi, got in enumerate(_in_order(inspect, len(files))):
         if isinstance(got, DataError):
             raise got
-        schema, md, checked = got
+        schema, md, checked, handle = got
         f = files[fi]
         for name, spec in wanted.items():
             idx = schema.get_field_index(name)
@@ -187,7 +190,7 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                 fields[name] = (fld, f)
             if checked.get(name) is not None:
                 raise checked[name]
-        footers.append(md)
+        footers.append((md, handle))
         rows_per_file.append(md.num_rows)
         digest.update(f"{_rel(root, f)}|{sizes[fi]}|{md.num_rows}|{md.num_row_groups}".encode())
         col_idx = [i for i in range(md.num_columns)
@@ -422,7 +425,8 @@ def _check_unique_ids(files: list[ParquetSource], rows_per_file: list[int], col:
     if n <= ID_CHECK_MAX_ROWS:
         def read(i: int):
             try:
-                return read_columns(files[i], [col], footers[i] if footers else None)[col]
+                md, handle = footers[i] if footers else (None, None)
+                return read_columns(files[i], [col], md, handle)[col]
             except (pa.ArrowException, OSError) as exc:
                 return DataError(f"{files[i].path}: the id column {col!r} cannot be read "
                                  f"({_one_line(exc)}); re-write the file or check the storage")
