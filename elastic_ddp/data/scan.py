@@ -52,6 +52,10 @@ ID_CHECK_MAX_ROWS = 5_000_000
 # loses nothing. Bounded so that a scan does not open more connections than a store's
 # client pool serves well.
 FOOTER_THREADS = 16
+# An object of at most this many bytes is read whole by the scan, in one request: Arrow's
+# footer read fetches the last 64 KiB anyway, so its id column then costs no request and
+# no byte more (1,000 small files: 2 requests each instead of 3).
+SMALL_FILE_BYTES = 64 * 2**10
 
 
 @dataclass
@@ -130,6 +134,9 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
         f = files[i]
         try:
             handle = open_input(ParquetSource(f, sizes[i]))
+            small = isinstance(handle, pa.NativeFile) and 0 <= sizes[i] <= SMALL_FILE_BYTES
+            if small:  # one GET for the whole object, footer and id column from memory
+                handle = pa.BufferReader(handle.read_at(sizes[i], 0))
             with pq.ParquetFile(handle) as pf:
                 schema, md = pf.schema_arrow, pf.metadata
                 checked = {}
@@ -139,9 +146,14 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                             check_column(pf, f, name, spec, DataError)
                         except DataError as e:
                             checked[name] = e
+                ids = None
+                if small and schema.get_field_index(id_column) >= 0:
+                    ids = pf.read(columns=[id_column])[id_column]
                 # An object store's open file is kept for the id read (no second HEAD
-                # and footer request); a local one is closed (a descriptor each).
-                return schema, md, checked, handle if isinstance(handle, pa.NativeFile) else None
+                # and footer request); a local one is closed (a descriptor each), and a
+                # small object's bytes are dropped once its ids are read.
+                keep = isinstance(handle, pa.NativeFile) and not small
+                return schema, md, checked, (handle if keep else None), ids
         except (pa.ArrowException, OSError) as exc:
             return DataError(f"{f}: not a valid Parquet file ({one_line(exc)}); delete or "
                              "re-write it, or move it out of the data directory")
@@ -151,11 +163,11 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
     rows_per_file: list[int] = []
     digest = hashlib.sha256()
     id_ranges: list[tuple[int, int, int]] = []
-    footers: list[tuple] = []  # (footer, open input file or None) per file
+    footers: list[tuple] = []  # (footer, open input file or None, ids read or None) per file
     for fi, got in enumerate(_in_order(inspect, len(files))):
         if isinstance(got, DataError):
             raise got
-        schema, md, checked, handle = got
+        schema, md, checked, handle, ids = got
         f = files[fi]
         for name, spec in wanted.items():
             idx = schema.get_field_index(name)
@@ -183,7 +195,7 @@ def scan_parquet(path: str | os.PathLike, columns: Mapping[str, Column],
                 fields[name] = (fld, f)
             if checked.get(name) is not None:
                 raise checked[name]
-        footers.append((md, handle))
+        footers.append((md, handle, ids))
         rows_per_file.append(md.num_rows)
         digest.update(f"{relative_name(root, f)}|{sizes[fi]}|{md.num_rows}|{md.num_row_groups}".encode())
         col_idx = [i for i in range(md.num_columns)
@@ -299,8 +311,8 @@ def _check_unique_ids(files: list[ParquetSource], rows_per_file: list[int], col:
     if n <= ID_CHECK_MAX_ROWS:
         def read(i: int):
             try:
-                md, handle = footers[i] if footers else (None, None)
-                return read_columns(files[i], [col], md, handle)[col]
+                md, handle, ids = footers[i] if footers else (None, None, None)
+                return ids if ids is not None else read_columns(files[i], [col], md, handle)[col]
             except (pa.ArrowException, OSError) as exc:
                 return DataError(f"{files[i].path}: the id column {col!r} cannot be read "
                                  f"({one_line(exc)}); re-write the file or check the storage")
