@@ -6,6 +6,13 @@ characters a URI reserves: a space makes pyarrow raise ``ArrowInvalid: Cannot pa
 URI``, and ``#`` or ``?`` start a fragment or query, so the file system silently looks at
 a shorter path. Here a local path becomes a URI only through percent-encoding
 (``Path.as_uri``), and a local path is never handed to a URI parser at all.
+
+An object-store URI (``s3://``, ``gs://``) becomes a pyarrow file system here and nowhere
+else (:func:`uri_to_filesystem`): its endpoint, region, time bounds and retries come from
+the environment (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``, ``ELASTIC_DDP_S3_CONNECT_TIMEOUT_S``,
+``ELASTIC_DDP_S3_REQUEST_TIMEOUT_S``, ``ELASTIC_DDP_S3_MAX_ATTEMPTS``,
+``ELASTIC_DDP_GCS_RETRY_S``), its credentials from the SDK's own chain.
 """
 
 from __future__ import annotations

@@ -23,6 +23,19 @@ from conftest import digits_config
 ELASTIC_DDP = str(Path(sys.executable).with_name("elastic-ddp"))
 
 
+@pytest.fixture(autouse=True)
+def _quiet_server():
+    """The in-process S3 server logs each request to stderr, where the CLI's one line is
+    looked for."""
+    import logging
+
+    log = logging.getLogger("werkzeug")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    yield
+    log.setLevel(level)
+
+
 def _run(tmp_path: Path, digits_data: Path, capsys, **over) -> tuple[int, str, float]:
     """``elastic-ddp train job.yaml`` in this process (the environment as the test set it);
     ``over``: ``train``/``val``/``storage`` paths. Returns (exit code, stderr, seconds)."""

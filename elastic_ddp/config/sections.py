@@ -45,9 +45,11 @@ class DataConfig(Section):
     """Where the Parquet data lives and in what order it is read (the task names the
     columns it reads: ``Task.input_columns``)."""
 
-    train_path: str = Field(description="Directory (or file) of training Parquet files.")
+    train_path: str = Field(description="Directory (or file) of training Parquet files: a "
+                                        "local path or an s3://, gs:// or file:// URI.")
     val_path: Optional[str] = Field(
-        None, description="Directory of validation Parquet files; none skips validation."
+        None, description="Directory of validation Parquet files (a local path or an s3://, "
+                          "gs:// or file:// URI); none skips validation."
     )
     id_column: str = Field(
         "sample_id", description="Unique integer id per row; the ledger of what was consumed."

@@ -54,7 +54,7 @@ def _remote(path: str) -> bool:
     return is_uri(path) and not path.lower().startswith("file:")
 
 
-def _input(src: ParquetSource):
+def open_input(src: ParquetSource):
     """What ``pq.ParquetFile`` opens: a local path as it is (Arrow's own local reader,
     closed with the ``ParquetFile``), else the object store's input file (one HEAD request
     for its size; then ranged GETs, safe from several threads at once)."""
@@ -80,7 +80,7 @@ def open_parquet(src: Source, metadata: Optional[pq.FileMetaData] = None) -> pq.
             cached = _FOOTERS.get(src)
             if cached is not None:
                 _FOOTERS.move_to_end(src)
-    handle = cached[1] if cached is not None and cached[1] is not None else _input(src)
+    handle = cached[1] if cached is not None and cached[1] is not None else open_input(src)
     pf = pq.ParquetFile(handle, metadata=metadata or (cached[0] if cached else None))
     if src.tag and cached is None:
         with _FOOTERS_LOCK:
@@ -96,8 +96,12 @@ def read_row_group(src: Source, index: int, columns: list[str]) -> pa.Table:
         return pf.read_row_group(index, columns=columns)
 
 
-def read_columns(src: Source, columns: list[str],
-                 metadata: Optional[pq.FileMetaData] = None) -> pa.Table:
-    """Every row of ``src``, only ``columns``."""
+def read_columns(src: Source, columns: list[str], metadata: Optional[pq.FileMetaData] = None,
+                 handle=None) -> pa.Table:
+    """Every row of ``src``, only ``columns``; ``handle``: its input file already open
+    (:func:`open_input`), with ``metadata`` its footer: no request but the reads."""
+    if handle is not None:
+        with pq.ParquetFile(handle, metadata=metadata) as pf:
+            return pf.read(columns=columns)
     with open_parquet(src, metadata) as pf:
         return pf.read(columns=columns)

@@ -191,8 +191,8 @@ def log_dataset(uri: str, run_id: str, info, context: str) -> None:
     ``validation`` (the ``mlflow.data.context`` tag)."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    p = Path(info.path)
-    path = str(p if "://" in info.path else p.resolve())
+    p = Path(info.path)  # for its last two names only: Path() of a URI drops a slash
+    path = info.path if "://" in info.path else str(p.resolve())
     source = json.dumps({"uri": path if "://" in path else Path(path).as_uri()})
     profile = {"num_rows": info.num_rows, "num_files": len(info.files),
                "num_row_groups": len(info.row_groups),
