@@ -42,9 +42,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 EPOCHS = 2
 STEPS = 23 * EPOCHS  # ceil(1437 / 64) a epoch
-GRACE_S = 30         # the pod's terminationGracePeriodSeconds (GKE's spot notice)
-DEADLINE_S = 20      # the hook's --deadline: the grace less a margin for Ray's shutdown
-SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.15}
+GRACE_S = 45         # the pod's terminationGracePeriodSeconds
+DEADLINE_S = 35      # the hook's --deadline: the grace less a margin for Ray's shutdown
+# Slower steps (sleep only: the arithmetic is unchanged), so that the eviction lands
+# mid-epoch on a loaded machine.
+SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.3}
 BIN = Path(sys.executable).parent
 
 
@@ -80,7 +82,9 @@ class Pod:
             ["unshare", "--mount", "--propagation", "private", str(BIN / "ray"), "start",
              f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--object-store-memory=100000000",
              "--block", "--disable-usage-stats"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            # Ray 2.60's own drain of its node on SIGTERM, bounded as the manifests bound it.
+            env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DEADLINE_S)})
         self.node_id = None
         wait_until(lambda: self._raylet_node_id() is not None, 60)
 
@@ -200,7 +204,7 @@ def _evict_mid_epoch(pods, data, tmp: Path, name: str, hook: bool, max_failures:
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
-    wait_until(lambda: not th.is_alive() or max_step(ledger) >= 5, 300)
+    wait_until(lambda: not th.is_alive() or max_step(ledger) >= 3, 300)
     assert th.is_alive(), result
     node_id = _worker_nodes()[0]
     pod = next(p for p in running if p.node_id == node_id)
@@ -233,14 +237,17 @@ def test_a_pod_evicted_with_the_prestop_hook_is_a_notice_and_costs_no_step(pods,
     assert ev["node_ids"] == [node_id], ev
     assert ev["steps_recomputed"] == 0 and ev["resumed_at_step"] == ev["checkpoint_step"], ev
     assert ev["t"] < t_evict + DEADLINE_S, ev
+    assert 0 < ev["checkpoint_step"] < 23, ev  # mid-epoch: the notice's own checkpoint
     assert [a["recomputed_steps"] for a in report["attempts"]] == [0, 0], report["attempts"]
 
 
-def test_a_pod_evicted_without_the_hook_is_a_failure(pods, data, tmp_path):
-    """SIGTERM to ``ray start`` stops the node's raylet and its workers at once: no rank
-    reaches a step boundary with the notice, so the node's loss is a failure."""
-    s, report, node_id, evicted, t_evict = _evict_mid_epoch(pods, data, tmp_path, "crashed", False, 1)
-    kinds = [e["type"] for e in s.events if e["type"] in ("failure", "preemption")]
-    print(kinds, report["attempts"])
-    assert kinds == ["failure"], s.events
-    assert sum(a["recomputed_steps"] for a in report["attempts"]) > 0, report["attempts"]
+def test_a_pod_evicted_without_the_hook_is_a_notice_through_rays_sigterm_drain(pods, data, tmp_path):
+    """No preStop hook: SIGTERM reaches ``ray start --block``, which on Ray 2.60 drains its
+    own node as a preemption for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S seconds before it
+    stops its processes (the manifests set it under the grace period): the same notice,
+    0 steps recomputed, max_failures 0 kept."""
+    s, report, node_id, evicted, t_evict = _evict_mid_epoch(pods, data, tmp_path, "sigterm", False, 0)
+    assert not [e for e in s.events if e["type"] == "failure"], s.events
+    (ev,) = [e for e in s.events if e["type"] == "preemption"]
+    assert ev["node_ids"] == [node_id] and ev["steps_recomputed"] == 0, ev
+    assert [a["recomputed_steps"] for a in report["attempts"]] == [0, 0], report["attempts"]

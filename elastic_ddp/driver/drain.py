@@ -138,17 +138,34 @@ def train_workers(node: RayNode) -> list[int]:
             if (argv := _cmdline(p)) and argv[0].startswith(TRAIN_WORKER_TITLE)]
 
 
-def request_drain(node: RayNode, deadline_s: int, reason: str) -> None:
-    """Ask the GCS to drain ``node`` for a preemption in ``deadline_s`` seconds (Ray's
-    ``ray drain-node``, the call of its autoscaler; bounded by DRAIN_REQUEST_TIMEOUT_S).
+def request_drain(node: RayNode, deadline_at: float, reason: str) -> None:
+    """Ask the GCS to drain ``node`` for a preemption at ``deadline_at`` (seconds since the
+    epoch): the call of Ray's autoscaler and ``ray drain-node``, made from this process
+    where the installed Ray is one it was tested on (``compat.ray_drain``), else through
+    the ``ray drain-node`` command. Bounded by DRAIN_REQUEST_TIMEOUT_S.
 
     Raises:
         DrainError: the GCS refused the drain, did not answer in time, or ``ray`` is missing.
     """
+    from elastic_ddp.compat.ray_drain import drain_in_process_supported, request_preemption_drain
+
+    deadline_ms = int(deadline_at * 1000)
+    if drain_in_process_supported():
+        try:
+            accepted, why = request_preemption_drain(node.gcs_address, node.node_id, reason,
+                                                     deadline_ms, DRAIN_REQUEST_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the GCS client's errors, named in the line
+            raise DrainError(f"the GCS at {node.gcs_address} did not take the drain of node "
+                             f"{node.node_id}: {type(e).__name__}: {e}") from None
+        if not accepted:
+            raise DrainError(f"the drain of node {node.node_id} was not accepted by the GCS at "
+                             f"{node.gcs_address}: {why}")
+        return
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    left_s = max(1, int(round(deadline_at - time.time())))
     cmd = [ray_cli if os.path.exists(ray_cli) else "ray", "drain-node", "--address", node.gcs_address,
            "--node-id", node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-           "--reason-message", reason, "--deadline-remaining-seconds", str(int(deadline_s))]
+           "--reason-message", reason, "--deadline-remaining-seconds", str(left_s)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=DRAIN_REQUEST_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -177,9 +194,11 @@ def drain(deadline_s: int, node_id: Optional[str] = None, wait: bool = True,
     """
     if deadline_s < 1:
         raise DrainError(f"--deadline must be at least 1 second, got {deadline_s}")
+    # The deadline counts from the hook's start, as the kubelet's grace period does: a slow
+    # request takes from the notice, never past the SIGKILL.
+    t0, deadline_at = time.monotonic(), time.time() + deadline_s
     node = find_node(node_id)
-    t0 = time.monotonic()
-    request_drain(node, deadline_s, reason)
+    request_drain(node, deadline_at, reason)
     log(f"elastic-ddp drain-node: node {node.node_id} draining (preemption in {deadline_s} s; "
         f"the GCS accepted it in {time.monotonic() - t0:.1f} s)")
     left = train_workers(node)
