@@ -186,3 +186,35 @@ def test_token_auth_uses_the_operator_secret_in_every_release():
     readme = (ROOT / "cluster" / "README.md").read_text()
     assert f"secret generic {name} --from-literal=auth_token=" in readme
     assert f"kubectl get secret {name} -o jsonpath='{{.data.auth_token}}'" in readme
+
+
+def test_worker_pods_drain_their_ray_node_before_they_stop():
+    """Every worker group's pods run ``elastic-ddp drain-node --self`` as their preStop hook
+    with a deadline inside the grace period (a margin left for Ray's own shutdown), and
+    Ray's SIGTERM drain is bounded by the grace period too: an eviction is a notice."""
+    from elastic_ddp.driver.cli import _parser
+
+    cluster = ray_docs(MANIFESTS["RayCluster"])[0]
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        grace = pod["terminationGracePeriodSeconds"]
+        (c,) = pod["containers"]
+        cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[:3] == ["elastic-ddp", "drain-node", "--self"], cmd
+        args = _parser().parse_args(cmd[1:])  # the command this package ships accepts it
+        assert args.self_node and 0 < args.deadline <= grace - 10, (args.deadline, grace)
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert 0 < float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"]) < grace
+
+
+def test_the_disruption_budget_selects_the_worker_group():
+    """cluster/kuberay/pdb.yaml selects the pods of raycluster.yaml's worker group by the
+    labels KubeRay puts on them (ray.io/cluster: the cluster's name, ray.io/group: the
+    group's name) and lets one go at a time."""
+    (pdb,) = list(yaml.safe_load_all((KUBERAY / "pdb.yaml").read_text()))
+    cluster = ray_docs(MANIFESTS["RayCluster"])[0]
+    assert pdb["apiVersion"] == "policy/v1" and pdb["kind"] == "PodDisruptionBudget"
+    labels = pdb["spec"]["selector"]["matchLabels"]
+    assert labels["ray.io/cluster"] == cluster["metadata"]["name"]
+    assert labels["ray.io/group"] in {g["groupName"] for g in cluster["spec"]["workerGroupSpecs"]}
+    assert pdb["spec"]["maxUnavailable"] == 1

@@ -133,6 +133,23 @@ def _parser() -> argparse.ArgumentParser:
                          "(sizes, XXH3 checksums; by default a checkpoint that fails them is "
                          "refused, exit 2); reads an incomplete checkpoint as it is")
 
+    dn = sub.add_parser("drain-node", help="drain this pod's Ray node before it stops (a preStop hook)",
+                        description="Drain the Ray node of this container as a preemption with a\n"
+                                    "deadline (Ray's DRAIN_NODE_REASON_PREEMPTION), then wait until no\n"
+                                    "Ray Train worker is left on it or the deadline passes. Run it as a\n"
+                                    "worker pod's preStop hook (cluster/kuberay/): the eviction becomes a\n"
+                                    "notice, the job checkpoints at the next step boundary and moves off.",
+                        formatter_class=fmt)
+    who = dn.add_mutually_exclusive_group(required=True)
+    who.add_argument("--self", dest="self_node", action="store_true",
+                     help="the Ray node whose raylet runs in this container (mount namespace)")
+    who.add_argument("--node-id", default=None, help="a Ray node on this host, by hex id")
+    dn.add_argument("--deadline", type=int, required=True, metavar="SECONDS",
+                    help="seconds until the node is stopped: the pod's "
+                         "terminationGracePeriodSeconds less a margin (e.g. 100 for 120)")
+    dn.add_argument("--no-wait", action="store_true",
+                    help="return once the drain is accepted, without waiting for the workers")
+
     sw = sub.add_parser("sweep", help="run a config at several fixed world sizes; scaling table + plots",
                         epilog=_CONFIG_EPILOG, formatter_class=fmt)
     _add_config_args(sw, "train.max_steps=100")
@@ -157,6 +174,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _submit(args)
         if args.cmd == "export":
             return _export(args)
+        if args.cmd == "drain-node":
+            return _drain_node(args)
         cfg = Config.load(args.config, args.overrides)
         if args.cmd in ("train", "sweep"):
             _route_library_logs(args.ray_logs)
@@ -286,6 +305,17 @@ def _export(args) -> int:
               "pip install safetensors (or write a .pt file)", file=sys.stderr)
         return 2
     print(f"elastic-ddp export: {out['tensors']} tensors, {out['bytes']} bytes -> {out['out']}")
+    return 0
+
+
+def _drain_node(args) -> int:
+    from elastic_ddp.driver.drain import DrainError, drain
+
+    try:
+        drain(args.deadline, node_id=args.node_id, wait=not args.no_wait)
+    except DrainError as e:
+        print(f"elastic-ddp: drain-node: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
