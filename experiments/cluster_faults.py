@@ -101,8 +101,9 @@ def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: b
     (``experiments/nodisk.py``: each in a mount namespace of its own, a tmpfs over
     ``/tmp``, the temp dirs, ``$HOME`` and ``hide``; ``keep``: diagnostics dirs they see
     anyway). Root only. They are listed in ``cluster.nodisk_nodes`` (not in
-    ``cluster.worker_nodes``); ``node_env`` is added to their environment (the object
-    store's endpoint and credentials), their logs go to ``log_dir`` (default: a temp
+    ``cluster.worker_nodes``); ``node_env`` is added to their environment and the
+    head's (the object store's endpoint and credentials: Ray Train's controller on the
+    head opens the run's storage too), their logs go to ``log_dir`` (default: a temp
     dir). Give the head ``head_cpus=0`` so that no training worker lands on it.
 
     ``ray_metrics``: Ray's own metrics collection (off by default). Why off: while a
@@ -119,8 +120,9 @@ def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: b
     cluster = Cluster()
     cluster.nodisk_nodes = []
     try:
-        add_node(cluster, num_cpus=head_cpus, include_dashboard=False,
-                 **({} if ray_metrics else {"_system_config": {"enable_metrics_collection": False}}))
+        with _environ(node_env or {}):  # the head's processes inherit it
+            add_node(cluster, num_cpus=head_cpus, include_dashboard=False,
+                     **({} if ray_metrics else {"_system_config": {"enable_metrics_collection": False}}))
         if shared_disk:
             for _ in range(nodes):
                 add_node(cluster, num_cpus=node_cpus)
@@ -134,6 +136,24 @@ def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: b
         for node in getattr(cluster, "nodisk_nodes", []):
             node.stop()
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """``extra`` in ``os.environ`` for the block (what a process started in it inherits),
+    the previous values back afterwards."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _nodisk():
