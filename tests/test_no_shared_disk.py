@@ -158,3 +158,53 @@ def test_kill_during_background_upload(nodisk_cluster, digits_data, s3, s3_fault
     assert got.keys() == ref.keys()
     for k in ref:
         assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_throttled_checkpoint_upload_is_retried(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
+    """503 SlowDown for the first two PUTs of every object of the step-20 checkpoint: the
+    writer retries with backoff and the checkpoint commits; the job finishes untouched."""
+    cfg = _s3_job(s3, digits_data, tmp_path, "throttled")
+    diag, ledger = _diag(nodisk_cluster, "throttled")
+    s3_faults.add("PUT", r"^runs/throttled/checkpoint_step00000020/.*distcp", "slowdown", times=4)
+    s = train(cfg, diagnostics=diag, progress=False)
+    assert s3_faults.count("PUT", r"checkpoint_step00000020/", "slowdown") == 4
+    assert s.steps == STEPS and s.restarts == 0
+    assert not [e for e in s.events if e["type"] == "failure"], s.events
+    assert "runs/throttled/checkpoint_step00000020/manifest.json" in s3.keys("runs/throttled/") \
+        or "runs/throttled/checkpoint_step00000040/manifest.json" in s3.keys("runs/throttled/")
+    _assert_ledger_clean(ledger, digits_data)
+
+
+@pytest.mark.slow
+def test_stalled_checkpoint_upload_is_bounded(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
+    """Every PUT of the step-20 checkpoint's rank-1 shard is accepted and never answered:
+    the write gives up within its time bound and names the rank and the key; the step-20
+    checkpoint is never committed and the job never hangs (it finishes from the next
+    checkpoints, or stops with that message)."""
+    cfg = _s3_job(s3, digits_data, tmp_path, "stalled")
+    diag, _ = _diag(nodisk_cluster, "stalled")
+    s3_faults.add("PUT", r"^runs/stalled/checkpoint_step00000020/__1_0\.distcp", "stall", times=None,
+                  seconds=900)
+    result: dict = {}
+
+    def run():
+        try:
+            result["summary"] = train(cfg, diagnostics=diag, progress=False)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            result["error"] = e
+
+    t = time.time()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(600)
+    elapsed = time.time() - t
+    assert not th.is_alive(), f"the job hangs on a stalled upload after {elapsed:.0f} s"
+    assert s3_faults.count("PUT", r"checkpoint_step00000020/__1_0\.distcp", "stall") >= 1
+    assert "runs/stalled/checkpoint_step00000020/manifest.json" not in s3.keys("runs/stalled/")
+    if "error" in result:
+        msg = str(result["error"])
+        assert "rank 1" in msg and "checkpoint_step00000020/__1_0.distcp" in msg, msg
+    else:
+        text = " ".join(map(str, result["summary"].events))
+        assert "checkpoint_step00000020/__1_0.distcp" in text, result["summary"].events
