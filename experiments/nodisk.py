@@ -8,8 +8,8 @@ which a fresh, empty tmpfs is mounted over every directory a driver-local path c
 live in: ``/tmp`` (which also gives the node its own Ray session dir), the temp dir the
 driver sees (``$TMPDIR``), ``/var/tmp``, ``/dev/shm`` (each node its own shared memory,
 as on separate machines), ``$HOME`` and whatever the caller adds (a test's basetemp).
-The code and the virtualenv stay visible: they are the node's "image". A directory that
-holds them is never hidden.
+The code, the virtualenv and the interpreter's installation stay visible: they are the
+node's "image" (kept the same way as ``keep`` where they lie under a hidden directory).
 
 ``keep``: directories the nodes see anyway although they lie under a hidden one: the
 tests' diagnostics only (a sample ledger, a fault marker), never a job's data or storage.
@@ -66,20 +66,31 @@ def _under(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+def image_dirs() -> list[Path]:
+    """What a node runs, its "image": the code, the virtualenv and the interpreter's
+    installation (a virtualenv's python is a link into it)."""
+    return [Path(__file__).resolve().parents[1], Path(sys.prefix).resolve(),
+            Path(sys.base_prefix).resolve()]
+
+
 def hidden_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[str]:
     """The directories a node hides (absolute, resolved, outermost only, sorted): the
-    default set above plus ``extra``, less any that holds the code or the virtualenv
-    (a node must run them)."""
-    image = [Path(__file__).resolve().parents[1], Path(sys.prefix).resolve(),
-             Path(sys.executable).resolve().parent]
+    default set above plus ``extra``. One that holds part of the image is hidden all the
+    same: :func:`kept_image_dirs` names the parts to keep visible in it."""
     wanted = ["/tmp", tempfile.gettempdir(), "/var/tmp", "/dev/shm", str(Path.home()), *extra]
     out: list[Path] = []
     for d in sorted({Path(os.path.realpath(p)) for p in wanted}, key=lambda p: len(p.parts)):
-        if not d.is_dir() or d == Path("/") or any(_under(i, d) for i in image):
+        if not d.is_dir() or d == Path("/") or d in image_dirs():
             continue
         if not any(_under(d, o) for o in out):
             out.append(d)
     return sorted(map(str, out))
+
+
+def kept_image_dirs(hidden: list[str]) -> list[str]:
+    """The parts of the image that lie under a hidden directory (e.g. a pyenv or uv
+    Python under ``$HOME``): kept visible, as the image's files are on a real node."""
+    return sorted({str(i) for i in image_dirs() for h in hidden if _under(i, Path(h)) and i != Path(h)})
 
 
 def namespace_script(hide: list[str], keep: list[str]) -> str:
@@ -209,10 +220,10 @@ def start_nodes(cluster, n: int, cpus: int, hide: Iterable[str | os.PathLike] = 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nodisk-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     hidden = hidden_dirs(hide)
-    kept = [str(Path(os.path.realpath(k))) for k in keep]
+    kept = [str(Path(os.path.realpath(k))) for k in keep] + kept_image_dirs(hidden)
     for k in kept:
         Path(k).mkdir(parents=True, exist_ok=True)
-    cluster.nodisk_hidden = hidden
+    cluster.nodisk_hidden, cluster.nodisk_kept = hidden, kept
     before = len([x for x in __import__("ray").nodes() if x["Alive"]])
     for i in range(n):
         node = NoDiskNode(cluster.address, cpus, hidden, kept, log_dir / f"nodisk-{i}.log", env)

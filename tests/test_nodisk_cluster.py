@@ -42,7 +42,8 @@ def _look(paths: list[str], value: bytes) -> dict:
     return {"paths": out, "value": value, "code": os.path.exists(elastic_ddp.__file__),
             "python": os.path.exists(os.sys.executable), "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
-            "endpoint": os.environ.get("AWS_ENDPOINT_URL")}
+            "endpoint": os.environ.get("AWS_ENDPOINT_URL"),
+            "home": sorted(os.listdir(Path.home())) if Path.home().is_dir() else []}
 
 
 def test_driver_paths_are_absent_on_the_nodes(nodisk_cluster, tmp_path):
@@ -63,6 +64,11 @@ def test_driver_paths_are_absent_on_the_nodes(nodisk_cluster, tmp_path):
         assert g["paths"] == {str(p): "FileNotFoundError" for p in mine}, g
         assert g["value"] == token and g["code"] and g["python"]
     assert sorted(g["node"] for g in got) == sorted(nodes)
+    # $HOME is hidden too, but for the interpreter's installation where it lies there.
+    home = Path.home().resolve()
+    image = {Path(k).relative_to(home).parts[0] for k in nodisk_cluster.nodisk_kept
+             if home in Path(k).parents}
+    assert all(set(g["home"]) <= image for g in got), ([g["home"] for g in got], image)
     # The same read on the head (in the driver's namespace) finds the files: the test
     # above fails for the nodes' want of a shared disk, not for a wrong path.
     head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
