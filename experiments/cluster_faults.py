@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 NODE_MEMORY = 100 * 2**20  # object store of each node: the jobs pass no large objects
 
@@ -89,11 +89,22 @@ def add_node(cluster, tries: int = 3, **kw):
 
 @contextlib.contextmanager
 def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: bool = False,
-                  **init) -> Iterator:
+                  shared_disk: bool = True, hide: Iterable[str | Path] = (),
+                  keep: Iterable[str | Path] = (), node_env: Optional[dict[str, str]] = None,
+                  log_dir: Optional[Path] = None, **init) -> Iterator:
     """A ``ray.cluster_utils.Cluster``: a head with ``head_cpus`` logical CPUs (the
     driver's tasks, the Ray Train controller) and ``nodes`` worker nodes of ``node_cpus``,
     this driver connected to it (``init``: more ``ray.init`` arguments); shut down on
     exit. Logical CPUs: what Ray schedules by, not cores the processes are bound to.
+
+    ``shared_disk=False``: the worker nodes share no disk with the driver
+    (``experiments/nodisk.py``: each in a mount namespace of its own, a tmpfs over
+    ``/tmp``, the temp dirs, ``$HOME`` and ``hide``; ``keep``: diagnostics dirs they see
+    anyway). Root only. They are listed in ``cluster.nodisk_nodes`` (not in
+    ``cluster.worker_nodes``); ``node_env`` is added to their environment and the
+    head's (the object store's endpoint and credentials: Ray Train's controller on the
+    head opens the run's storage too), their logs go to ``log_dir`` (default: a temp
+    dir). Give the head ``head_cpus=0`` so that no training worker lands on it.
 
     ``ray_metrics``: Ray's own metrics collection (off by default). Why off: while a
     placement-group bundle of a removed node cannot be placed again (a per-step job that
@@ -107,17 +118,55 @@ def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: b
     from ray.cluster_utils import Cluster
 
     cluster = Cluster()
+    cluster.nodisk_nodes = []
     try:
-        add_node(cluster, num_cpus=head_cpus, include_dashboard=False,
-                 **({} if ray_metrics else {"_system_config": {"enable_metrics_collection": False}}))
-        for _ in range(nodes):
-            add_node(cluster, num_cpus=node_cpus)
-        cluster.wait_for_nodes()
+        with _environ(node_env or {}):  # the head's processes inherit it
+            add_node(cluster, num_cpus=head_cpus, include_dashboard=False,
+                     **({} if ray_metrics else {"_system_config": {"enable_metrics_collection": False}}))
+        if shared_disk:
+            for _ in range(nodes):
+                add_node(cluster, num_cpus=node_cpus)
+            cluster.wait_for_nodes()
         ray.init(address=cluster.address, **{"logging_level": "WARNING", **init})
+        if not shared_disk:
+            _nodisk().start_nodes(cluster, nodes, node_cpus, hide, keep, node_env, log_dir)
         yield cluster
     finally:
         ray.shutdown()
+        for node in getattr(cluster, "nodisk_nodes", []):
+            node.stop()
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """``extra`` in ``os.environ`` for the block (what a process started in it inherits),
+    the previous values back afterwards."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _nodisk():
+    """``nodisk.py`` beside this file (the experiments directory is not a package)."""
+    import importlib.util
+    import sys
+
+    if "nodisk" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("nodisk", Path(__file__).with_name("nodisk.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["nodisk"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["nodisk"]
 
 
 def drain_node(address: str, node_id: str, deadline_s: float,

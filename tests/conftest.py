@@ -153,20 +153,89 @@ def s3_server():
 _S3_BUCKETS = iter(range(1, 1 << 30))
 
 
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The variables that point the AWS SDKs (boto3, pyarrow's) at ``endpoint`` with the
+    test credentials and region."""
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
 @pytest.fixture()
 def s3(s3_server, monkeypatch) -> S3Bucket:
     """A fresh bucket on the session's S3 server, and this process's environment pointed at
     the server (``AWS_ENDPOINT_URL``, region, test credentials) for the test's duration, so
     pyarrow, boto3 and every process the test starts (a local Ray cluster's workers, the
     CLI) reach it as a real cluster's nodes reach their object store."""
-    env = {"AWS_ENDPOINT_URL": s3_server, "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+    env = s3_env(s3_server)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return S3Bucket(f"test-{os.getpid()}-{next(_S3_BUCKETS)}", s3_server, env)
+
+
+@pytest.fixture(scope="session")
+def s3_proxy(s3_server):
+    """The session's :class:`S3FaultProxy` in front of ``s3_server`` (forwarding all
+    until a test adds a rule through ``s3_faults``). The no-disk cluster's nodes reach
+    the S3 server through it."""
+    from s3_fault_proxy import S3FaultProxy
+
+    proxy = S3FaultProxy(s3_server).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture()
+def s3_faults(s3_proxy):
+    """The session's S3 fault proxy, its rules and counts fresh for this test (and
+    cleared after it, stalled connections released): ``s3_faults.add("PUT", r"key$",
+    "slowdown", times=2)``, ``s3_faults.endpoint`` for the clients that should see the
+    faults, ``s3_faults.count(...)``."""
+    s3_proxy.reset()
+    try:
+        yield s3_proxy
+    finally:
+        s3_proxy.reset()
+
+
+@pytest.fixture(scope="module")
+def nodisk_cluster(tmp_path_factory, s3_proxy):
+    """A local Ray cluster whose two worker nodes share no disk with this process
+    (``experiments/nodisk.py``): each runs in a mount namespace of its own with an empty
+    tmpfs over ``/tmp``, the temp dirs, ``/dev/shm`` and this session's basetemp (every
+    ``tmp_path``), so a path only the driver has is not there; the code and the
+    virtualenv stay visible. The head (0 CPUs: no training worker or task lands on it)
+    stays here with the driver, Ray Train's controller and the job's tracker. The nodes
+    reach the S3 server through the session's fault proxy (``AWS_ENDPOINT_URL`` and test
+    credentials in their environment). ``<basetemp>/shared`` is the one directory they
+    see (for test diagnostics: ledger, fault markers). Skips where mount namespaces are
+    not permitted, naming why. Yields the ``ray.cluster_utils.Cluster`` (its no-disk
+    nodes in ``cluster.nodisk_nodes``); ``cluster.start_s`` is how long it took."""
+    import time
+
+    import ray
+
+    from helpers import _cluster_faults
+
+    why = _cluster_faults()._nodisk().namespaces_unavailable()
+    if why:
+        pytest.skip(why)
+    if ray.is_initialized():
+        ray.shutdown()
+    base = tmp_path_factory.getbasetemp()
+    shared = base / "shared"
+    t = time.time()
+    with _cluster_faults().local_cluster(2, 2, head_cpus=0, shared_disk=False, hide=[base],
+                                         keep=[shared], node_env=s3_env(s3_proxy.endpoint),
+                                         log_dir=tmp_path_factory.mktemp("nodisk-logs")) as c:
+        c.start_s = time.time() - t
+        c.shared = shared
+        print(f"no-disk cluster up in {c.start_s:.1f} s; hidden on its nodes: {c.nodisk_hidden}")
+        yield c
 
 
 def digits_config(data_dir: Path, tmp: Path, extra: Optional[dict] = None) -> dict[str, Any]:
@@ -331,7 +400,7 @@ class InProcess:
 
 # Fixtures that start a Ray cluster: tests using them are marked ``ray`` and left out of
 # the fast tier (``make test-fast``: -m "not ray and not slow").
-_RAY_FIXTURES = {"ray_cluster", "cluster", "gpu_ray_cluster"}
+_RAY_FIXTURES = {"ray_cluster", "cluster", "gpu_ray_cluster", "nodisk_cluster"}
 
 
 def pytest_collection_modifyitems(config, items):

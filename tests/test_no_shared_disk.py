@@ -1,0 +1,211 @@
+"""The digits job on nodes that share no disk with the driver (``nodisk_cluster``): its
+data, its run storage (checkpoints, the lease) on the S3 server only; the MLflow store
+is the driver's (the tracker runs on the head, beside the driver).
+
+* ``test_local_paths_do_not_reach_the_nodes``: a job whose data and storage are paths
+  only the driver has cannot train there; it must stop with an error, never hang.
+* ``test_digits_on_object_storage_only``: the job trains to the usual validation accuracy
+  (tests/test_train_e2e.py's bar) with nothing on a shared disk.
+* ``test_kill_during_background_upload`` (slow): a training worker SIGKILLed while its
+  checkpoint's objects are being uploaded (the fault proxy holds those PUTs a moment, and
+  fires the kill at the first one): the job resumes from the newest committed checkpoint,
+  the sample ledger is clean (0 lost, 0 repeated) and the final model equals the
+  uninterrupted run's.
+
+The ledger and the fault's marker are test diagnostics: they go to ``nodisk_cluster.shared``,
+the one driver directory the nodes see.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import digits_config, mlflow_runs
+from elastic_ddp.config import Config
+from elastic_ddp.driver.launcher import train
+from elastic_ddp.ledger import audit, format_audit
+from elastic_ddp.run_state import Diagnostics
+from helpers import _cluster_faults, train_ids
+
+pytestmark = pytest.mark.ray
+
+# tests/test_train_e2e.py's digits recipe and bar (val_acc 0.93-0.97 over seeds 0-4).
+DIGITS_FAST = {
+    "model": {"kwargs": {"hidden": 64}},
+    "optim": {"lr": 0.01, "warmup_steps": 20},
+    "batch": {"global_batch_size": 32, "micro_batch_size": 8},
+    "train": {"epochs": 3, "log_every_steps": 5, "checkpoint_every_steps": 20, "keep_checkpoints": 2},
+    # One worker per no-disk node (2 CPUs each); the head has none.
+    "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 2, "torch_threads": 1,
+                "max_failures": 2, "use_gpu": False, "collective_timeout_s": 30},
+}
+MIN_VAL_ACC = 0.9
+STEPS = 45 * 3  # ceil(1437 / 32) a epoch
+
+
+def _upload(s3, local: Path, prefix: str) -> str:
+    """Every file under ``local`` to ``s3://<bucket>/<prefix>/...``; returns that URI."""
+    for f in sorted(local.rglob("*")):
+        if f.is_file():
+            s3.client.upload_file(str(f), s3.name, f"{prefix}/{f.relative_to(local).as_posix()}")
+    return s3.uri(prefix)
+
+
+def _s3_job(s3, digits_data: Path, tmp: Path, name: str) -> Config:
+    tmp.mkdir(parents=True, exist_ok=True)  # the driver's MLflow store lives there
+    data = _upload(s3, digits_data, "digits")
+    raw = digits_config(digits_data, tmp, {
+        **DIGITS_FAST,
+        "data": {"train_path": f"{data}/train", "val_path": f"{data}/val"},
+        "run": {"name": name, "storage_path": s3.uri("runs")},
+    })
+    return Config.from_dict(raw)
+
+
+def _diag(cluster, name: str, **kw) -> tuple[Diagnostics, Path]:
+    ledger = cluster.shared / f"{name}-{uuid.uuid4().hex[:8]}" / "ledger"
+    return Diagnostics(ledger_dir=str(ledger), **kw), ledger
+
+
+def _assert_ledger_clean(ledger: Path, data: Path, epochs: int = 3) -> dict:
+    report = audit(ledger, train_ids(data), epochs)
+    print(format_audit(report))
+    for ep, e in report["epochs"].items():
+        assert (e["repeated"], e["lost"], e["unknown"]) == (0, 0, 0), (ep, e)
+    assert report["ok"]
+    return report
+
+
+def test_local_paths_do_not_reach_the_nodes(nodisk_cluster, digits_data, tmp_path):
+    """Data and storage under the driver's tmp dir: the workers, on nodes without that
+    dir, cannot train; the job ends with an error naming the missing data file within
+    minutes (no hang), its MLflow run FAILED."""
+    raw = digits_config(digits_data, tmp_path, {**DIGITS_FAST, "run": {"name": "local-paths"},
+                                                 "scaling": {**DIGITS_FAST["scaling"], "max_failures": 0}})
+    t = time.time()
+    with pytest.raises(BaseException) as err:
+        train(Config.from_dict(raw), progress=False)
+    print(f"failed after {time.time() - t:.1f} s: {type(err.value).__name__}: {str(err.value)[:2000]}")
+    assert time.time() - t < 300
+    # The first thing a worker touches is its data: the error names the driver's file.
+    assert "FileNotFoundError" in str(err.value) and str(digits_data) in str(err.value), err.value
+    assert [r.info.status for r in mlflow_runs(tmp_path)] == ["FAILED"]
+
+
+def test_digits_on_object_storage_only(nodisk_cluster, digits_data, s3, tmp_path):
+    cfg = _s3_job(s3, digits_data, tmp_path, "s3-only")
+    diag, ledger = _diag(nodisk_cluster, "s3-only")
+    t = time.time()
+    s = train(cfg, diagnostics=diag, progress=False)
+    print(f"[no shared disk] {time.time() - t:.1f} s, metrics {s.metrics}")
+    assert s.steps == STEPS and s.restarts == 0
+    assert s.metrics["val_acc"] >= MIN_VAL_ACC, s.metrics
+    _assert_ledger_clean(ledger, digits_data)
+    # Checkpoints and the lease went to the bucket; nothing to the driver's tmp dir but
+    # the MLflow store.
+    keys = s3.keys("runs/")
+    assert any("/checkpoint_step" in k for k in keys), keys
+    assert not (tmp_path / "ray_results").exists()
+    runs = mlflow_runs(tmp_path)
+    assert [r.info.run_id for r in runs] == [s.run_id] and runs[0].info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_kill_during_background_upload(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
+    from elastic_ddp.checkpoint.export import model_state
+
+    base_cfg = _s3_job(s3, digits_data, tmp_path / "base", "base")
+    base_diag, base_ledger = _diag(nodisk_cluster, "base")
+    baseline = train(base_cfg, diagnostics=base_diag, progress=False)
+    _assert_ledger_clean(base_ledger, digits_data)
+
+    # The step-40 checkpoint's uploads are held 1.5 s each; at the first one a training
+    # worker is SIGKILLed (the step loop goes on meanwhile: the upload is in the
+    # background). The restart must come from the step-20 checkpoint, the newest one
+    # committed (its manifest written last).
+    cfg = _s3_job(s3, digits_data, tmp_path / "kill", "kill")
+    diag, ledger = _diag(nodisk_cluster, "kill")
+    s3_faults.add("PUT", r"^runs/kill/checkpoint_step00000040/", "delay", times=4, seconds=1.5)
+    killed: list[dict] = []
+
+    def kill_once(seen) -> None:
+        if killed or seen.method != "PUT" or "checkpoint_step00000040/" not in seen.key:
+            return
+        workers = _cluster_faults().train_workers()
+        if workers:
+            victim = sorted(workers, key=lambda w: w["pid"])[-1]
+            killed.append({**victim, "key": seen.key, "t": time.time()})
+            os.kill(victim["pid"], signal.SIGKILL)
+
+    s3_faults.on_request(lambda seen: threading.Thread(target=kill_once, args=(seen,)).start())
+    s = train(cfg, diagnostics=diag, progress=False)
+    print(f"killed {killed}; events {[e for e in s.events if e['type'] == 'failure']}")
+    assert killed, "no checkpoint upload of step 40 was seen"
+    report = _assert_ledger_clean(ledger, digits_data)
+    assert s.steps == STEPS and s.restarts == 1
+    resumed = report["attempts"][1]["resumed_from"]
+    assert resumed in (20, 40), report["attempts"]  # 40 only if it committed before the kill
+    committed = [k for k in s3.keys("runs/kill/") if k.endswith("manifest.json")]
+    print(f"committed checkpoints: {committed}")
+    got, ref = model_state(s.checkpoint_path), model_state(baseline.checkpoint_path)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_throttled_checkpoint_upload_is_retried(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
+    """503 SlowDown for the first two PUTs of every object of the step-20 checkpoint: the
+    writer retries with backoff and the checkpoint commits; the job finishes untouched."""
+    cfg = _s3_job(s3, digits_data, tmp_path, "throttled")
+    diag, ledger = _diag(nodisk_cluster, "throttled")
+    s3_faults.add("PUT", r"^runs/throttled/checkpoint_step00000020/.*distcp", "slowdown", times=4)
+    s = train(cfg, diagnostics=diag, progress=False)
+    assert s3_faults.count("PUT", r"checkpoint_step00000020/", "slowdown") == 4
+    assert s.steps == STEPS and s.restarts == 0
+    assert not [e for e in s.events if e["type"] == "failure"], s.events
+    assert "runs/throttled/checkpoint_step00000020/manifest.json" in s3.keys("runs/throttled/") \
+        or "runs/throttled/checkpoint_step00000040/manifest.json" in s3.keys("runs/throttled/")
+    _assert_ledger_clean(ledger, digits_data)
+
+
+@pytest.mark.slow
+def test_stalled_checkpoint_upload_is_bounded(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
+    """Every PUT of the step-20 checkpoint's rank-1 shard is accepted and never answered:
+    the write gives up within its time bound and names the rank and the key; the step-20
+    checkpoint is never committed and the job never hangs (it finishes from the next
+    checkpoints, or stops with that message)."""
+    cfg = _s3_job(s3, digits_data, tmp_path, "stalled")
+    diag, _ = _diag(nodisk_cluster, "stalled")
+    s3_faults.add("PUT", r"^runs/stalled/checkpoint_step00000020/__1_0\.distcp", "stall", times=None,
+                  seconds=900)
+    result: dict = {}
+
+    def run():
+        try:
+            result["summary"] = train(cfg, diagnostics=diag, progress=False)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            result["error"] = e
+
+    t = time.time()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(600)
+    elapsed = time.time() - t
+    assert not th.is_alive(), f"the job hangs on a stalled upload after {elapsed:.0f} s"
+    if "error" in result:
+        msg = str(result["error"])
+        assert "rank 1" in msg and "checkpoint_step00000020/__1_0.distcp" in msg, msg
+    assert s3_faults.count("PUT", r"checkpoint_step00000020/__1_0\.distcp", "stall") >= 1
+    assert "runs/stalled/checkpoint_step00000020/manifest.json" not in s3.keys("runs/stalled/")
+    if "summary" in result:
+        text = " ".join(map(str, result["summary"].events))
+        assert "checkpoint_step00000020/__1_0.distcp" in text, result["summary"].events
