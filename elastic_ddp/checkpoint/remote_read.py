@@ -108,13 +108,20 @@ def overlay(fs, path: str, local_dir: str):
     return pafs.PyFileSystem(Overlay()), lambda: got[0]
 
 
+#: Bytes per request of a download: each a ranged GET of its own, under the client's
+#: time bound and retries (one GET streaming a whole shard of gigabytes is one request
+#: that a stall anywhere fails, and that no retry resumes).
+DOWNLOAD_CHUNK = 64 << 20
+
+
 def download(fs, path: str, names: list[str], into: str) -> None:
-    """Copy ``path/<name>`` for each of ``names`` from ``fs`` into local ``into``, in
-    parallel (a streamed GET each)."""
+    """Copy ``path/<name>`` for each of ``names`` from ``fs`` into local ``into``: the
+    files in parallel, each by ranged reads of :data:`DOWNLOAD_CHUNK` bytes."""
     def one(n: str) -> None:
-        with fs.open_input_stream(f"{path}/{n}") as src, open(os.path.join(into, n), "wb") as out:
-            while b := src.read(8 << 20):
-                out.write(b)
+        with fs.open_input_file(f"{path}/{n}") as src, open(os.path.join(into, n), "wb") as out:
+            size = src.size()
+            for off in range(0, size, DOWNLOAD_CHUNK):
+                out.write(src.read_at(min(DOWNLOAD_CHUNK, size - off), off))
 
     if not names:
         return
