@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true",
                     help="no progress display (off a terminal it is already plain lines, "
                          "one every few seconds, instead of a live bar)")
-    tr.add_argument("--json", action="store_true", help="print the summary as JSON")
+    tr.add_argument("--json", action="store_true",
+                    help="print the summary as JSON: the only thing on stdout (the config, "
+                         "progress, Ray's and other libraries' lines go to stderr)")
     tr.add_argument("--verbose", action="store_true",
                     help="print every config field (default: only those that differ from "
                          "the defaults)")
@@ -142,6 +144,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "train" and args.json:
+        from elastic_ddp.driver.json_out import DocumentStdout
+
+        # Before the config is read: a task module's import may print already.
+        with DocumentStdout() as doc:
+            args.document = doc
+            return _main(args)
+    return _main(args)
+
+
+def _main(args) -> int:
     from elastic_ddp.config import Config, ConfigError
 
     try:
@@ -406,7 +419,10 @@ def _train(cfg, args) -> int:
         print(f"elastic-ddp: {e}", file=sys.stderr)
         # No checkpoint of the run verifies: bad input on storage, refused as such.
         return 2 if "CheckpointCorruptError" in str(e) else 1
-    print(json.dumps(asdict(summary), indent=1, default=str) if args.json else format_summary(summary))
+    if args.json:
+        args.document.emit(json.dumps(asdict(summary), indent=1, default=str))
+    else:
+        print(format_summary(summary))
     return 0
 
 
