@@ -24,6 +24,9 @@ exit codes:
        run, no local Ray (on a running cluster the job's two actors are stopped);
        or a run that cannot resume (no checkpoint of it verifies, or its config or
        model differs where a resume keeps it): its MLflow run is left as it was
+  3    trained and checkpointed, but the job's MLflow run was deleted (or removed) while
+       it trained: its later metrics and the final model are not in MLflow; the last
+       line names the fix (restore the run from MLflow's trash, or another run.name)
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
   143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
        restart mode); running the same config again resumes it with no step recomputed.
@@ -423,6 +426,11 @@ def _train(cfg, args) -> int:
         args.document.emit(json.dumps(asdict(summary), indent=1, default=str))
     else:
         print(format_summary(summary))
+    if summary.mlflow_run_lost:
+        from elastic_ddp.tracking.run_lost import EXIT_RUN_LOST
+
+        print(f"elastic-ddp: {summary.mlflow_run_lost}", file=sys.stderr, flush=True)
+        return EXIT_RUN_LOST
     return 0
 
 
