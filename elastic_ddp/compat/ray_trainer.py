@@ -104,15 +104,19 @@ def _controller_class():
             failure = self._run_controller_hook("before_controller_execute_resize_decision", decision)
             if failure:
                 return failure
-            if failing >= every:
-                # Every replica failed (a node hosting them all, SIGKILL to each): none is
-                # left to heal from, and a replacement would wait on the dead replicas'
-                # tasks. Ray Train's full restart of the group from the newest
-                # checkpoint, as restart mode does (bounded by its worker-group start
-                # timeout; the failure was counted against max_failures before).
-                return self._restart_every_group(decision)
             waiting = replica_groups_without_capacity(wg, failing)
-            for i in waiting - self._waiting:
+            if failing >= every and waiting in (set(), failing):
+                # Every replica failed (a node hosting them all, SIGKILL to each), and
+                # either each can start again or none can: none is left to heal from, and
+                # a replacement would wait on the dead replicas' tasks. Ray Train's full
+                # restart of the group from the newest checkpoint, as restart mode does
+                # (bounded by its worker-group start timeout; the failure was counted
+                # against max_failures before). Some with room and some without: those
+                # with room are replaced below and train while the others wait.
+                return self._restart_every_group(decision)
+            # Every failed group is shut down before any is replaced: a replacement talks
+            # to every active group's workers, and a dead one's would fail it.
+            for i in failing - self._waiting:
                 set_aside_replica_group(wg, i)
             self._waiting = waiting
             if waiting:
@@ -144,10 +148,6 @@ def _controller_class():
             if not self._waiting:
                 return status
             wg = self._worker_group
-            if (status.failing_replica_group_indices | self._waiting) >= status.all_replica_group_indices:
-                # No replica is left running: the failure this status shows leads to the
-                # full restart of _execute_resize_decision, not to a replacement.
-                return status
             ready = self._waiting - replica_groups_without_capacity(wg, self._waiting)
             for i in sorted(ready):
                 if not replaced(wg, i):  # another replica died: seen at the next poll
