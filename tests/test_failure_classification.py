@@ -166,6 +166,23 @@ def test_a_worker_group_error_after_the_budget_names_the_dead_rank_not_the_peer(
     assert msg.startswith("rank 1 died") and "SIGKILL" in msg and "max_failures" in msg, msg
 
 
+def test_a_controller_error_carries_its_cause_never_a_line_ending_at_a_colon():
+    # Ray's ControllerError is "Training failed due to controller error:" and its cause
+    # on the next line; an error whose message is empty still names its type.
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from elastic_ddp.controller.failures import describe_training_error
+
+    msg = describe_training_error(ControllerError(ActorDiedError()))
+    assert msg.startswith("ControllerError: the Ray Train controller failed: ActorDiedError: "), msg
+    assert not msg.rstrip().endswith(":") and len(msg) > 70, msg
+    msg = describe_training_error(ControllerError(RuntimeError("placement failed:\n  node n1 gone")))
+    assert msg.endswith("RuntimeError: placement failed: node n1 gone"), msg
+    assert describe_training_error(ControllerError(KeyError())).endswith("KeyError (no message)")
+    assert describe_training_error(RuntimeError("cause:\nthe disk")) == "RuntimeError: cause: the disk"
+
+
 def test_a_long_error_keeps_its_end_where_the_fix_is():
     # A restore that finds no checkpoint that verifies names every bad file of every
     # checkpoint, then the fix: the cause line clips the middle, never the end.

@@ -101,16 +101,22 @@ def _controller_class():
             every = poll.all_replica_group_indices if poll else set()
             if not failing or decision.num_workers != len(wg.get_workers()):
                 return super()._execute_resize_decision(decision)
-            waiting = replica_groups_without_capacity(wg, failing)
-            if waiting == failing and failing == every:
-                # Nothing left to train or to start: Ray Train's full restart (bounded by
-                # its worker-group start timeout).
-                self._waiting.clear()
-                return super()._execute_resize_decision(decision)
             failure = self._run_controller_hook("before_controller_execute_resize_decision", decision)
             if failure:
                 return failure
-            for i in waiting - self._waiting:
+            waiting = replica_groups_without_capacity(wg, failing)
+            if failing >= every and waiting in (set(), failing):
+                # Every replica failed (a node hosting them all, SIGKILL to each), and
+                # either each can start again or none can: none is left to heal from, and
+                # a replacement would wait on the dead replicas' tasks. Ray Train's full
+                # restart of the group from the newest checkpoint, as restart mode does
+                # (bounded by its worker-group start timeout; the failure was counted
+                # against max_failures before). Some with room and some without: those
+                # with room are replaced below and train while the others wait.
+                return self._restart_every_group(decision)
+            # Every failed group is shut down before any is replaced: a replacement talks
+            # to every active group's workers, and a dead one's would fail it.
+            for i in failing - self._waiting:
                 set_aside_replica_group(wg, i)
             self._waiting = waiting
             if waiting:
@@ -118,7 +124,22 @@ def _controller_class():
                 # it in every replacement, which for these comes later).
                 ray_get(wg.get_worker_group_state().sync_actor.reset.remote())
             for i in sorted(failing - waiting):
-                wg.replace_replica_group(i)
+                if not replaced(wg, i):
+                    # A replica the last poll saw alive died meanwhile (the replacement
+                    # talks to every live replica): the same full restart.
+                    return self._restart_every_group(decision)
+            return _iteration_result(self, next_state="running")
+
+        def _restart_every_group(self, decision):
+            """Ray Train's full restart (its resize decision's standard branch): the
+            worker group shut down and started again, every replica restoring the
+            newest checkpoint."""
+            self._waiting.clear()
+            self._filtered_poll = None
+            if self._worker_group:
+                self._shutdown_worker_group()
+            self._start_worker_group(num_workers=decision.num_workers,
+                                     resources_per_worker=decision.resources_per_worker)
             return _iteration_result(self, next_state="running")
 
         async def _poll_workers(self):
@@ -129,13 +150,28 @@ def _controller_class():
             wg = self._worker_group
             ready = self._waiting - replica_groups_without_capacity(wg, self._waiting)
             for i in sorted(ready):
-                wg.replace_replica_group(i)
+                if not replaced(wg, i):  # another replica died: seen at the next poll
+                    ready = {j for j in ready if j < i}
+                    break
             hidden, self._waiting = set(self._waiting), self._waiting - ready
             self._filtered_poll = without_replica_groups(status, hidden, started=ready)
             return self._filtered_poll
 
     EnvController.__name__ = EnvController.__qualname__ = "TrainController"
     return EnvController
+
+
+def replaced(worker_group, index: int) -> bool:
+    """``worker_group.replace_replica_group(index)``; False when another replica's actor
+    was found dead on the way (the replacement clears every live replica's result queue
+    first), which only a restart of the whole group mends. Other errors are raised."""
+    from ray.exceptions import RayActorError
+
+    try:
+        worker_group.replace_replica_group(index)
+    except RayActorError:
+        return False
+    return True
 
 
 def ray_get(ref):

@@ -322,5 +322,21 @@ def describe_training_error(exc: BaseException) -> str:
         if p is not None:
             tail = f" ({likely_cause(p)})" if p.kind == "died" else ""
             return f"{p.describe()}{tail}; the restart budget (scaling.max_failures) is spent"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    cf = getattr(exc, "controller_failure", None)
+    if isinstance(cf, BaseException):
+        # Ray's ControllerError puts its cause after a line ending at a colon.
+        return f"{type(exc).__name__}: the Ray Train controller failed: {_lead(cf)}"
+    return _lead(exc)
+
+
+def _lead(exc: BaseException) -> str:
+    """``Type: message`` in one line: the message's first line, joined with the next
+    ones while a line ends at a colon (its cause is on the next line); never empty
+    after the colon (the type's name stands in for a message-less error)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    for ln in lines[1:]:
+        if not text.endswith(":"):
+            break
+        text = f"{text} {ln}"
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (no message)"

@@ -24,6 +24,9 @@ exit codes:
        run, no local Ray (on a running cluster the job's two actors are stopped);
        or a run that cannot resume (no checkpoint of it verifies, or its config or
        model differs where a resume keeps it): its MLflow run is left as it was
+  3    trained and checkpointed, but the job's MLflow run was deleted (or removed) while
+       it trained: its later metrics and the final model are not in MLflow; the last
+       line names the fix (restore the run from MLflow's trash, or another run.name)
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
   143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
        restart mode); running the same config again resumes it with no step recomputed.
@@ -89,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true",
                     help="no progress display (off a terminal it is already plain lines, "
                          "one every few seconds, instead of a live bar)")
-    tr.add_argument("--json", action="store_true", help="print the summary as JSON")
+    tr.add_argument("--json", action="store_true",
+                    help="print the summary as JSON: the only thing on stdout (the config, "
+                         "progress, Ray's and other libraries' lines go to stderr)")
     tr.add_argument("--verbose", action="store_true",
                     help="print every config field (default: only those that differ from "
                          "the defaults)")
@@ -165,6 +170,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "train" and args.json:
+        from elastic_ddp.driver.json_out import DocumentStdout
+
+        # Before the config is read: a task module's import may print already.
+        with DocumentStdout() as doc:
+            args.document = doc
+            return _main(args)
+    return _main(args)
+
+
+def _main(args) -> int:
     from elastic_ddp.config import Config, ConfigError
 
     try:
@@ -442,7 +458,15 @@ def _train(cfg, args) -> int:
         print(f"elastic-ddp: {e}", file=sys.stderr)
         # No checkpoint of the run verifies: bad input on storage, refused as such.
         return 2 if "CheckpointCorruptError" in str(e) else 1
-    print(json.dumps(asdict(summary), indent=1, default=str) if args.json else format_summary(summary))
+    if args.json:
+        args.document.emit(json.dumps(asdict(summary), indent=1, default=str))
+    else:
+        print(format_summary(summary))
+    if summary.mlflow_run_lost:
+        from elastic_ddp.tracking.run_lost import EXIT_RUN_LOST
+
+        print(f"elastic-ddp: {summary.mlflow_run_lost}", file=sys.stderr, flush=True)
+        return EXIT_RUN_LOST
     return 0
 
 

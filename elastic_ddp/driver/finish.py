@@ -13,6 +13,7 @@ from typing import Optional
 from elastic_ddp import tracking
 from elastic_ddp.config import Config
 from elastic_ddp.tracking.history import LAST_STEP_TAG
+from elastic_ddp.tracking.run_lost import DELETED, REMOVED, lost_line, lost_record, run_lost_state
 from elastic_ddp.driver.report import (Summary, goodput, goodput_parts, mlflow_ui_command,
                                          nonfinite_summary, recovery_events, startup_breakdown)
 
@@ -26,7 +27,11 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     :class:`~elastic_ddp.driver.report.Summary`. ``t0``: the job's start (seconds since the
     epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run);
     ``model``: the module the driver's dry run built on the CPU (``tasks.loading.DryRun``),
-    which takes the final weights for the MLflow model; None: the model is built here."""
+    which takes the final weights for the MLflow model; None: the model is built here.
+
+    A run deleted or removed under the job (the tracker found it, or it is found here)
+    gets no more writes: the summary's ``mlflow_run_lost`` holds the line that says so
+    and names the fix (``tracking.run_lost``); the checkpoints are all there."""
     import ray
 
     from elastic_ddp.checkpoint import checkpoint_step, newest_complete
@@ -34,10 +39,35 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     # Everything the workers and the controller sent, written before the run is read back.
     ray.get(tracker.flush.remote(60), timeout=90)
     snap = ray.get(tracker.snapshot.remote())
-    run = tracking.run_info(uri, run_id)
+    lost = snap.get("run_lost")
+    seen = int(snap["latest"].get("step", 0))
+    run = None
+    try:
+        run = tracking.run_info(uri, run_id)
+    except Exception as e:  # noqa: BLE001 - a removed run is the one error expected here
+        if run_lost_state(uri, run_id, e) is None:
+            raise
+        lost = lost or lost_record(REMOVED, seen)
+    if run is not None and run.info.lifecycle_stage == "deleted" and not lost:
+        lost = lost_record(DELETED, seen)
+
+    def write(fn, *args, **kwargs) -> None:
+        """One write to the run; none once the run is lost, and a write refused because
+        the run was deleted meanwhile marks it lost (any other error is raised)."""
+        nonlocal lost
+        if lost:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - sorted out below
+            state = run_lost_state(uri, run_id, e)
+            if state is None:
+                raise
+            lost = lost_record(state, seen)
+
     # The job's wall time runs from its MLflow run's first start: a resubmitted job's
     # committed seconds span every submission, and so must the time they are divided by.
-    wall_start = min(t0, run.info.start_time / 1000.0)
+    wall_start = min(t0, run.info.start_time / 1000.0) if run is not None else t0
     wall = time.time() - wall_start
     attempts = None
     if ledger_dir:
@@ -69,49 +99,51 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
             # the optimizer state is never read.
             weights = model_state(d)
             save_model(weights, Path(out) / "model.pt")
-            tracking.log_artifact(uri, run_id, str(Path(out) / "model.pt"), "model")
+            write(tracking.log_artifact, uri, run_id, str(Path(out) / "model.pt"), "model")
             for name in ("config.json", "run_state.json"):
                 if (Path(d) / name).is_file():
-                    tracking.log_artifact(uri, run_id, str(Path(d) / name), "model")
+                    write(tracking.log_artifact, uri, run_id, str(Path(d) / name), "model")
     counters = state.get("counters", {})
     progress = state.get("progress", {})
     gp = goodput(counters.get("committed_train_s", 0.0), wall)
     parts = goodput_parts(snap, marks, wall_start, wall, counters.get("committed_train_s", 0.0), events)
     step = int(progress.get("step", 0))
-    if weights is not None and task is not None:
+    if weights is not None and task is not None and not lost:
         model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, sample, step, model)
     # One value each, at the last step: scalars of the whole job (the UI's "Model
     # metrics" section); the start-up phases are a table, not eleven one-bar charts.
-    tracking.log_metrics(uri, run_id, {"goodput": gp, "wall_s": wall,
-                                       **({"startup_s": startup["total_s"]} if startup else {})},
-                         step)
+    write(tracking.log_metrics, uri, run_id, {"goodput": gp, "wall_s": wall,
+                                              **({"startup_s": startup["total_s"]} if startup else {})},
+          step)
     for ev in events:  # at the step training resumed from: on the loss curve's axis
         if "recovery_s" in ev:
-            tracking.log_metrics(uri, run_id, {"recovery_s": ev["recovery_s"]},
-                                 ev.get("resumed_at_step", 0))
+            write(tracking.log_metrics, uri, run_id, {"recovery_s": ev["recovery_s"]},
+                  ev.get("resumed_at_step", 0))
     rows = [_event_row(e) for e in events if e.get("type") != "config_change"]
     if rows:
-        tracking.log_table(uri, run_id, rows, "events/recovery.json")
+        write(tracking.log_table, uri, run_id, rows, "events/recovery.json")
     if startup:
         started = tracking.iso_time(marks.get("process_start", t0))
-        tracking.log_table(uri, run_id, [
+        write(tracking.log_table, uri, run_id, [
             {"phase": k.removesuffix("_s"), "seconds": v, "submission_started": started}
             for k, v in startup.items()], "startup.json")
     metrics = {k: v for k, v in snap["latest"].items() if k.startswith("val_")}
     summary = Summary(
-        run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id,
+        run_id=run_id, tracking_uri=uri, experiment_id=run.info.experiment_id if run is not None else "",
         metrics=dict(sorted(metrics.items())), steps=step, epochs=int(progress.get("epoch", 0)),
         wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
         restarts=int(counters.get("restarts", 0)), goodput=gp, goodput_parts=parts, events=events,
         startup=startup,
         checkpoint_path=ckpt.path if ckpt is not None else None,
-        mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id),
+        mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id) if run is not None else "",
         skipped_steps=int(counters.get("skipped_steps", 0)),
         epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
-        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s")},
+        tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s", "run_lost")},
         model_id=model_id, nonfinite=nonfinite_summary(snap.get("nonfinite", []), cfg.data.id_column))
-    tracking.log_text(uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
-    tracking.finish_run(uri, run_id, ok=True)
+    write(tracking.log_text, uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
+    write(tracking.finish_run, uri, run_id, ok=True)
+    if lost:
+        summary.mlflow_run_lost = lost_line(run_id, uri, lost, summary.checkpoint_path, cfg.run.name)
     return summary
 
 

@@ -34,6 +34,9 @@ class Summary:
         model_id: the MLflow logged model of the final weights (``models:/<id>``), or None.
         nonfinite: the rows whose loss was not finite in a skipped step
             (:func:`nonfinite_summary`), {} when none was.
+        mlflow_run_lost: None, or the line saying that the job's MLflow run was deleted
+            or removed while it trained, and the fix (``tracking.run_lost.lost_line``);
+            ``elastic-ddp train`` then exits 3.
     """
 
     run_id: str
@@ -56,6 +59,7 @@ class Summary:
     model_id: Optional[str] = None
     nonfinite: dict[str, Any] = field(default_factory=dict)
     goodput_parts: dict[str, float] = field(default_factory=dict)
+    mlflow_run_lost: Optional[str] = None
 
 
 def nonfinite_summary(rows: list[dict], id_column: str, shown: int = 8) -> dict[str, Any]:
@@ -269,8 +273,12 @@ def format_summary(s: Summary) -> str:
     if s.tracking.get("delayed") or s.tracking.get("dropped"):
         lines.append(f"tracking:         {s.tracking.get('delayed', 0)} metric values delayed, "
                      f"{s.tracking.get('dropped', 0)} dropped ({s.tracking.get('last_error')})")
-    lines += [f"MLflow run:       {s.run_id} at {s.tracking_uri}",
-              f"open the UI:      {s.mlflow_ui_command}"]
+    if s.mlflow_run_lost:
+        lines.append(f"MLflow run:       {s.run_id} at {s.tracking_uri}: "
+                     f"{(s.tracking.get('run_lost') or {}).get('state', 'deleted')} during the job")
+    else:
+        lines += [f"MLflow run:       {s.run_id} at {s.tracking_uri}",
+                  f"open the UI:      {s.mlflow_ui_command}"]
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
 from elastic_ddp.tracking.history import FILES, with_earlier
 from elastic_ddp.tracking.nonfinite import NONFINITE_METRIC, NONFINITE_TAG, NonFiniteRows
+from elastic_ddp.tracking.run_lost import lost_record, lost_state, notice_text
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
                                         WORLD_SIZES_TAG, display_rank, is_transient, client,
                                         metric_key, run_info)
@@ -34,6 +35,10 @@ class JobTracker:
     start: world size and the start-up marks ``enter``/``ready``/``first_step`` in
     seconds since the epoch, and the first step), ``events`` (failures, resizes) and the
     controller ``timeline``, and the write counters ``delayed``/``dropped``.
+
+    A run deleted under the job (:mod:`elastic_ddp.tracking.run_lost`) is found at the
+    first write it refuses: ``run_lost`` is set, one notice given, and nothing more is
+    written (every later metric counts as dropped); training is not disturbed.
     """
 
     def __init__(self, uri: str, run_id: Optional[str] = None, flush_period_s: float = 1.0,
@@ -55,6 +60,7 @@ class JobTracker:
         self.timeline: list[dict[str, Any]] = []
         self.delayed = self.dropped = 0
         self.last_error: Optional[str] = None
+        self.run_lost: Optional[dict[str, Any]] = None
         self._metrics: list[tuple[str, float, int, int]] = []
         self._tags: dict[str, str] = {}
         self._artifacts: dict[str, str] = {}
@@ -211,6 +217,7 @@ class JobTracker:
                     "nonfinite": [dict(r) for r in self.nonfinite],
                     "delayed": self.delayed, "dropped": self.dropped,
                     "pending": len(self._metrics), "last_error": self.last_error,
+                    "run_lost": dict(self.run_lost) if self.run_lost else None,
                     "unavailable_s": round(self.unavailable_s + (
                         time.time() - self._outage_since if self._outage_since else 0.0), 1)}
 
@@ -235,6 +242,9 @@ class JobTracker:
                 target = self._requested
                 metrics, tags, arts = self._metrics, self._tags, self._artifacts
                 self._metrics, self._tags, self._artifacts = [], {}, {}
+            if self.run_lost is not None:  # a deleted run takes no more writes
+                self._done(target, dropped=len(metrics))
+                continue
             t_try = time.time()
             try:
                 self._write(metrics, tags, arts)
@@ -252,6 +262,8 @@ class JobTracker:
                         self._outage_since = None
                     self._cv.notify_all()
             except Exception as e:  # noqa: BLE001 - the store is down or locked: retry later
+                if self._found_lost(e, target, len(metrics)):
+                    continue
                 if not is_transient(e):
                     # The store refuses something in the batch (a metric name it does not
                     # allow, a value too long): retrying would block every later metric.
@@ -271,6 +283,27 @@ class JobTracker:
                         print(f"elastic-ddp tracker: warning: MLflow store unavailable "
                               f"({self.last_error[:200]}); buffering metrics and retrying", flush=True)
                 backoff = min(10.0, backoff * 2)
+
+    def _done(self, target: int, dropped: int = 0) -> None:
+        with self._cv:
+            self.dropped += dropped
+            self._written = max(self._written, target)
+            self._cv.notify_all()
+
+    def _found_lost(self, e: Exception, target: int, n_metrics: int) -> bool:
+        """The write failed because the run was deleted or removed: record it, give the
+        notice, drop the batch. False for any other failure (one ``get_run`` asked only
+        for a refusal of that kind)."""
+        state = lost_state(self._client, self.run_id, e) if self._client is not None else None
+        if state is None:
+            return False
+        with self._lock:
+            self.run_lost = lost_record(state, int(self.latest.get("step", 0)))
+            self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
+            self.notices.append({"kind": "run_lost", "step": self.run_lost["step"],
+                                 "message": notice_text(self.run_id, self.run_lost)})
+        self._done(target, dropped=n_metrics)
+        return True
 
     def _drop_refused(self, metrics, tags, arts):
         """Write each metric key, tag and artifact on its own; drop (count, warn) what the
