@@ -75,6 +75,24 @@ def test_each_override_applies_on_the_releases_it_was_tested_on_and_none_elsewhe
         ray_plan(newest).applies("controler_host")
 
 
+def test_the_readme_names_each_override_skipped_on_a_supported_release_and_where():
+    # A supported release that skips an override warns on every job; README.md's Ray
+    # range note is where a user reads what such a job does without it.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("\nRay 2.56 to 2.60 (")
+    note = " ".join(readme[start:readme.index("\n`make setup`", start)].split())
+    oldest = min(TESTED_RAY, key=release_key)
+    for o in OVERRIDES:
+        missing = sorted(set(TESTED_RAY) - set(o.tested), key=release_key)
+        if missing:
+            first, last = missing[0].rsplit(".", 1)[0], missing[-1].rsplit(".", 1)[0]
+            assert first == oldest.rsplit(".", 1)[0], (o.key, missing)  # skipped from the oldest on
+            assert f"On Ray {first} to {last} that line names" in note, (o.key, note)
+            assert o.name.split(" (")[0] in note, (o.key, note)
+
+
 def test_the_installed_ray_is_a_tested_release():
     # The guard is what a Ray upgrade trips: a Ray in this environment that the overrides
     # were not tested on fails here (then: run tests/test_ray_versions.py against it and

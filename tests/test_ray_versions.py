@@ -1,7 +1,9 @@
 """The oldest Ray release the project supports, in a virtualenv of its own: the digits job
 through the ``elastic-ddp`` command, and a rank SIGKILLed mid-step that resumes with every
 sample used once per epoch, on that Ray's own controller code with elastic-ddp's overrides
-(``elastic_ddp.compat.versions``: no untested-version warning).
+(``elastic_ddp.compat.versions``): no warning line but the one its version plan gives for
+the overrides not tested on that release (on 2.56 to 2.59: the two tested on 2.60 only,
+which README.md's Ray range note names).
 
 Slow tier (``-m slow``). The virtualenv (torch, the oldest Ray, the project's other
 dependencies) is built once and reused while its recipe holds, under
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ddp.compat.versions import TESTED_RAY, release_key
+from elastic_ddp.compat.versions import TESTED_RAY, ray_plan, release_key
 from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.ledger import audit, format_audit
 
@@ -110,6 +112,18 @@ print(json.dumps({"steps": s.steps, "restarts": s.restarts, "run_id": s.run_id})
 """
 
 
+# A measure of this machine's load, not of the Ray release: a restart pays the data
+# pipeline's start again, and on a loaded 2-core machine the median data wait can pass
+# its threshold (tracking.data_wait).
+DATA_WAIT = "elastic-ddp: warning: the training step waits for its data"
+
+
+def _warnings(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that say "warning" (elastic-ddp's own start with
+    ``elastic-ddp: warning:``), but the data-wait one."""
+    return [line for line in stderr.splitlines() if "warning" in line and not line.startswith(DATA_WAIT)]
+
+
 def _mlflow_status(tmp: Path, run_id: str) -> str:
     from mlflow.tracking import MlflowClient
 
@@ -133,11 +147,13 @@ def test_the_oldest_supported_ray_runs_the_digits_job_and_resumes_a_killed_rank_
             "train.epochs=2", "train.checkpoint_every_steps=5"]
 
     # The digits job, through the command a user runs: on this Ray's own controller code
-    # with every override applied (a tested release: no warning line).
+    # with every override tested on it applied, and the one line naming the others.
+    plan = ray_plan(RAY)
+    expected = [plan.warning] if plan.warning else []
     p = _run([str(bin_ / "elastic-ddp"), "train", preset, "--no-progress", "--json",
               *[a for s in sets for a in ("--set", s)]], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "warning" not in p.stderr, p.stderr
+    assert _warnings(p.stderr) == expected, p.stderr
     summary = json.loads(p.stdout)  # --json: the document alone on stdout
     assert summary["steps"] == 46 and summary["restarts"] == 0, summary
     assert _mlflow_status(tmp_path, summary["run_id"]) == "FINISHED"
@@ -148,7 +164,7 @@ def test_the_oldest_supported_ray_runs_the_digits_job_and_resumes_a_killed_rank_
     p = _run([str(bin_ / "python"), "-c", RESUME, preset, str(ledger), str(marker),
               *sets, "run.name=digits-resume"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "warning" not in p.stderr, p.stderr
+    assert _warnings(p.stderr) == expected, p.stderr
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert marker.exists() and s["steps"] == 46 and s["restarts"] == 1, s
     report = audit(ledger, read_sample_ids(data / "train"), 2)
