@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -134,20 +135,45 @@ class S3Bucket:
         return out
 
 
+def _atomic_conditional_writes(app):
+    """WSGI middleware: a conditional write (``If-Match`` / ``If-None-Match`` on a PUT or
+    DELETE) runs alone, as S3 guarantees (the check and the write are one step there).
+    moto checks the condition, then writes, in the request's own thread: two racing
+    conditional PUTs of one key can both pass its check, which S3 never lets happen."""
+    lock = threading.Lock()
+
+    def wrapped(environ, start_response):
+        if environ.get("REQUEST_METHOD") in ("PUT", "DELETE") and (
+                "HTTP_IF_MATCH" in environ or "HTTP_IF_NONE_MATCH" in environ):
+            with lock:
+                return list(app(environ, start_response))
+        return app(environ, start_response)
+
+    return wrapped
+
+
 @pytest.fixture(scope="session")
 def s3_server():
-    """A real S3 API server for the session: moto's ``ThreadedMotoServer`` on 127.0.0.1,
-    a port of the OS's choosing. Yields its endpoint URL (``http://127.0.0.1:<port>``).
-    It answers conditional writes (``If-None-Match: *``) with ``PreconditionFailed``."""
-    from moto.server import ThreadedMotoServer
+    """A real S3 API server for the session: moto's server application (what its
+    ``ThreadedMotoServer`` serves) on 127.0.0.1, a port of the OS's choosing, in a thread,
+    each request in a thread of its own; conditional writes made atomic
+    (``_atomic_conditional_writes``). Yields its endpoint URL
+    (``http://127.0.0.1:<port>``). It answers a failed condition (``If-None-Match: *``
+    on an existing key, ``If-Match`` on another ETag) with ``PreconditionFailed``."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication, MotoRequestHandler, create_backend_app)
+    from werkzeug.serving import make_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    app = _atomic_conditional_writes(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, name="s3-server", daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
     try:
         yield f"http://{host}:{port}"
     finally:
-        server.stop()
+        server.shutdown()
+        thread.join(30)
 
 
 _S3_BUCKETS = iter(range(1, 1 << 30))

@@ -47,6 +47,18 @@ def _already_persisted(checkpoint, _dir_name: str):
     return checkpoint
 
 
+def _ray_storage_filesystem():
+    """The file system of the run's storage as Ray Train holds it in this worker
+    (``ray.train.get_context().get_storage().storage_filesystem``), or None outside a
+    Ray Train worker."""
+    try:
+        import ray.train
+
+        return ray.train.get_context().get_storage().storage_filesystem
+    except Exception:  # noqa: BLE001 - not in a Ray Train worker (tests, the driver)
+        return None
+
+
 class CheckpointManager:
     """One rank's view of the run's checkpoints.
 
@@ -241,6 +253,13 @@ class CheckpointManager:
         import ray.train
         from ray.train import Checkpoint
 
+        # Ray Train keeps a checkpoint only on its own storage file system (an equal one:
+        # pyarrow compares the options, endpoint and credentials included), so the
+        # checkpoint is named on the file system the driver gave Ray Train. This rank's
+        # may differ in its options where a node reaches the same store otherwise (another
+        # endpoint, a proxy, its own credentials); the path is the same on both.
+        if lead:
+            fs = _ray_storage_filesystem() or fs
         ray.train.report({k: float(v) for k, v in (metrics or {}).items()},
                          checkpoint=Checkpoint(dest, filesystem=fs) if lead else None,
                          checkpoint_dir_name=name, checkpoint_upload_fn=_already_persisted)
