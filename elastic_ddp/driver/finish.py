@@ -18,6 +18,19 @@ from elastic_ddp.driver.report import (Summary, goodput, goodput_parts, mlflow_u
                                          nonfinite_summary, recovery_events, startup_breakdown)
 
 
+
+def _as_location(storage: str, path: str) -> str:
+    """``path`` (a checkpoint's path on the storage's file system, as Ray Train names it:
+    ``bucket/prefix/...`` on an object store) as a user gives it back to elastic-ddp
+    (``elastic-ddp export``): with the storage URI's scheme on an object store
+    (``s3://bucket/prefix/...``), unchanged on local disk."""
+    from elastic_ddp.paths import is_uri
+
+    scheme = storage.split("://", 1)[0].lower() if is_uri(storage) else ""
+    if scheme in ("", "file") or is_uri(path):
+        return path
+    return f"{scheme}://{path}"
+
 def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
                ledger_dir: Optional[str], marks: dict, task=None, sample=None, n_train: int = 1,
                storage: str = "", model=None) -> Summary:
@@ -134,7 +147,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         wall_s=wall, world_sizes_seen=counters.get("world_sizes_seen", []),
         restarts=int(counters.get("restarts", 0)), goodput=gp, goodput_parts=parts, events=events,
         startup=startup,
-        checkpoint_path=ckpt.path if ckpt is not None else None,
+        checkpoint_path=_as_location(cfg.run.storage_path, ckpt.path) if ckpt is not None else None,
         mlflow_ui_command=mlflow_ui_command(uri, run.info.experiment_id, run_id) if run is not None else "",
         skipped_steps=int(counters.get("skipped_steps", 0)),
         epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
