@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -59,13 +60,14 @@ def _upload(s3, local: Path, prefix: str) -> str:
     return s3.uri(prefix)
 
 
-def _s3_job(s3, digits_data: Path, tmp: Path, name: str) -> Config:
+def _s3_job(s3, digits_data: Path, tmp: Path, name: str, scaling: Optional[dict] = None) -> Config:
     tmp.mkdir(parents=True, exist_ok=True)  # the driver's MLflow store lives there
     data = _upload(s3, digits_data, "digits")
     raw = digits_config(digits_data, tmp, {
         **DIGITS_FAST,
         "data": {"train_path": f"{data}/train", "val_path": f"{data}/val"},
         "run": {"name": name, "storage_path": s3.uri("runs")},
+        "scaling": {**DIGITS_FAST["scaling"], **(scaling or {})},
     })
     return Config.from_dict(raw)
 
@@ -165,7 +167,9 @@ def test_kill_during_background_upload(nodisk_cluster, digits_data, s3, s3_fault
 def test_throttled_checkpoint_upload_is_retried(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
     """503 SlowDown for the first two PUTs of every object of the step-20 checkpoint: the
     writer retries with backoff and the checkpoint commits; the job finishes untouched."""
-    cfg = _s3_job(s3, digits_data, tmp_path, "throttled")
+    # A collective timeout that a loaded 2-core machine's slow step never reaches: the
+    # test is about the throttled upload, which the writer's retries absorb.
+    cfg = _s3_job(s3, digits_data, tmp_path, "throttled", {"collective_timeout_s": 120})
     diag, ledger = _diag(nodisk_cluster, "throttled")
     s3_faults.add("PUT", r"^runs/throttled/checkpoint_step00000020/.*distcp", "slowdown", times=4)
     s = train(cfg, diagnostics=diag, progress=False)
@@ -180,9 +184,9 @@ def test_throttled_checkpoint_upload_is_retried(nodisk_cluster, digits_data, s3,
 @pytest.mark.slow
 def test_stalled_checkpoint_upload_is_bounded(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
     """Every PUT of the step-20 checkpoint's rank-1 shard is accepted and never answered:
-    the write gives up within its time bound and names the rank and the key; the step-20
-    checkpoint is never committed and the job never hangs (it finishes from the next
-    checkpoints, or stops with that message)."""
+    the step-20 checkpoint is never committed and the job never hangs: it finishes from
+    the next checkpoints, or stops naming the rank, the step and the phase (the write
+    itself gives up within the store's request bound and names the rank and the key)."""
     cfg = _s3_job(s3, digits_data, tmp_path, "stalled")
     diag, _ = _diag(nodisk_cluster, "stalled")
     s3_faults.add("PUT", r"^runs/stalled/checkpoint_step00000020/__1_0\.distcp", "stall", times=None,
@@ -203,7 +207,10 @@ def test_stalled_checkpoint_upload_is_bounded(nodisk_cluster, digits_data, s3, s
     assert not th.is_alive(), f"the job hangs on a stalled upload after {elapsed:.0f} s"
     if "error" in result:
         msg = str(result["error"])
-        assert "rank 1" in msg and "checkpoint_step00000020/__1_0.distcp" in msg, msg
+        # Rank 0 waits for rank 1 at the checkpoint's gather for scaling.collective_timeout_s
+        # (30 s), less than the store's request bound (60 s, 5 attempts): the job stops on
+        # the second same hang, naming the rank, the step and the phase (not the key).
+        assert "rank 1" in msg and "step 20 (checkpoint)" in msg, msg
     assert s3_faults.count("PUT", r"checkpoint_step00000020/__1_0\.distcp", "stall") >= 1
     assert "runs/stalled/checkpoint_step00000020/manifest.json" not in s3.keys("runs/stalled/")
     if "summary" in result:
