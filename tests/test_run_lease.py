@@ -86,7 +86,34 @@ def test_a_holder_elsewhere_is_live_while_it_heartbeats_and_stale_after(tmp_path
     (d / "job.json").write_text(json.dumps(rec))
     lease = RunLease(str(tmp_path), "job").acquire()
     assert lease.took_over["host"] == "other-host.example"
+    # Not known to be gone (another host): the takeover says the lease was stale.
+    line = lease.describe_takeover()
+    assert "whose lease is stale (no heartbeat for" in line and "gone" not in line, line
     lease.release()
+
+
+def test_a_paused_holder_is_taken_over_as_stale_not_gone(tmp_path):
+    """A holder on this host whose process lives but has stopped heartbeating (SIGSTOP: a
+    suspended laptop, a frozen VM) is taken over once stale, and the line says so."""
+    from elastic_ddp.driver.lease import STALE_S, RunLease
+
+    p = _holder(tmp_path, "job")
+    try:
+        p.send_signal(signal.SIGSTOP)
+        path = tmp_path / ".leases" / "job.json"
+        rec = json.loads(path.read_text())
+        rec["heartbeat"] = time.time() - STALE_S - 1  # as if paused that long
+        path.write_text(json.dumps(rec))
+        lease = RunLease(str(tmp_path), "job").acquire()
+        try:
+            line = lease.describe_takeover()
+            assert f"pid {p.pid}" in line and "whose lease is stale" in line, line
+            assert "gone" not in line, line
+        finally:
+            lease.release()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
 
 
 def test_the_holder_renews_its_heartbeat(tmp_path, monkeypatch):

@@ -300,9 +300,30 @@ class RunLease:
         rec: dict[str, Any] = self.took_over or {}
         if not rec:
             return None
-        return (f"elastic-ddp: run {self.name!r}: took over the lease of the job on host "
+        head = (f"elastic-ddp: run {self.name!r}: took over the lease of the job on host "
                 f"{rec.get('host', '?')}, pid {rec.get('pid', '?')} (since "
-                f"{_iso(float(rec.get('since') or 0))}), which is gone")
+                f"{_iso(float(rec.get('since') or 0))}), ")
+        if _holder_exited(rec):
+            return head + "which is gone (its process has exited)"
+        ago = max(0.0, time.time() - float(rec.get("heartbeat") or 0))
+        return head + (f"whose lease is stale (no heartbeat for {ago:.0f} s); its process may "
+                       "still exist (a paused or cut-off job): stop it if it does")
+
+
+def _holder_exited(rec: dict) -> bool:
+    """Whether the holder of lease record ``rec`` is known to have exited: it ran on this
+    host and its pid is gone or belongs to another process now. Elsewhere it is unknown."""
+    if rec.get("host") != socket.gethostname() or not rec.get("pid"):
+        return False
+    pid = int(rec["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    start = _pid_start(pid)
+    return start is not None and rec.get("pid_start") is not None and start != rec["pid_start"]
 
 
 class _Lost(Exception):
