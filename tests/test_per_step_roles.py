@@ -35,11 +35,11 @@ def _history(tmp, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
-# Slow tier while its loss comparison is investigated: in the environment `make setup`
-# installs on 2026-12-07 (torch 2.13.0, torchft 0.2.0, Ray 2.60.0) the job's train/loss
-# matches the one-process replay within 2e-3 up to step 130 and drifts past it from step
-# 131 (1.11518 against 1.11745), the same value on every run and at 41ed606 too, where it
-# had passed within 1e-4: a dependency's numerics, not a flake (see the closing note).
+# Slow tier while its loss comparison is investigated: with the packages `make setup`
+# installs today (torch 2.13.0, torchft 0.2.0, Ray 2.60.0) the job's train/loss matches the
+# one-process replay within 2e-3 up to step 130 and drifts past it from step 131 (1.11518
+# against 1.11745), the same value on every run, at 41ed606 as well: a dependency's
+# numerics, not a flake.
 @pytest.mark.slow
 def test_metrics_flow_from_the_quorum_while_world_rank_0_is_dead(ray_cluster, digits_data, tmp_path):
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, JOB))
