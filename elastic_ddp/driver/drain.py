@@ -113,28 +113,11 @@ def find_node(node_id: Optional[str] = None) -> RayNode:
     return nodes[0]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def train_workers(node: RayNode) -> list[int]:
     """PIDs of the Ray Train workers the node's raylet started that are still alive."""
-    return [p for p in _descendants(node.raylet_pid)
+    from elastic_ddp.driver.local_ray import process_tree
+
+    return [p for p in process_tree(node.raylet_pid)
             if (argv := _cmdline(p)) and argv[0].startswith(TRAIN_WORKER_TITLE)]
 
 
