@@ -114,6 +114,21 @@ def free_port() -> int:
     return fp(HOST)
 
 
+def cluster_auth_token() -> Optional[str]:
+    """The Ray token-authentication token this process would use, if any: from
+    ``RAY_AUTH_TOKEN``, the file at ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (the
+    places Ray reads it from, in its order). Ray 2.60 turns token authentication on for a
+    new local cluster and writes the token under ``$HOME``, which a no-disk node does not
+    see."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"]
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
 class NoDiskNode:
     """One worker node in its own mount namespace: ``ray start --block`` under
     ``unshare``, its own session (process group), its output in ``log`` (a file the
@@ -136,6 +151,11 @@ class NoDiskNode:
         cmd = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
                namespace_script(hide, keep), "nodisk-node", *ray_cmd]
         full_env = {**os.environ, **(env or {})}
+        token = cluster_auth_token()
+        if token and "RAY_AUTH_TOKEN" not in full_env:
+            # The node's $HOME is hidden, so it cannot read ~/.ray/auth_token: it gets the
+            # cluster's token in its environment, as a KubeRay pod gets it from a Secret.
+            full_env["RAY_AUTH_TOKEN"] = token
         # Processes that find their cluster by address="auto" pick the newest Ray
         # instance on the machine, perhaps another's: pin them to this one's GCS.
         full_env["RAY_ADDRESS"] = address
