@@ -33,11 +33,12 @@ train: $(STAMP)
 # workers take the machine's cores). `--dist loadfile` gives each test file to one worker,
 # so a module's fixtures (the gloo jobs of test_parallel, the checkpoints of
 # test_checkpoint_sharded) run once, not once per worker. Both passes always run; the
-# target fails when either fails or selects no test (pytest exit 5).
+# target fails when either fails or selects no test (pytest exit 5). The durations
+# (every Ray test's, the fast tier's 15 longest) show where the suite's time goes.
 test: $(STAMP)
 	rc=0; \
-	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile || rc=$$?; \
-	$(PY) -m pytest -m "ray and not slow" -q || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile --durations=15 || rc=$$?; \
+	$(PY) -m pytest -m "ray and not slow" -q --durations=0 || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	exit $$rc
 
 # Every change: the tests that start no Ray cluster (config, batching, order, readers,
