@@ -224,3 +224,40 @@ def test_a_rank_reads_its_share_of_the_bytes_from_s3(s3, tmp_path, monkeypatch, 
     finally:
         proxy.close()
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(800_000))
+
+
+def test_prepare_writes_the_data_set_to_s3_and_replaces_its_files(s3, tmp_path):
+    """`elastic-ddp prepare digits s3://...` (the CLI, as a user runs it): the bucket holds
+    the same data set as a local prepare (rows, fingerprint); a second prepare with fewer
+    files leaves none of the first one's behind."""
+    from elastic_ddp.data.prepare import prepare_digits
+
+    local = prepare_digits(tmp_path / "digits", num_files=4)
+    uri = s3.uri("sets/digits")
+    run = subprocess.run([sys.executable, "-m", "elastic_ddp.driver.cli", "prepare", "digits", uri],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"-> {uri}" in run.stdout
+    cols = Rows.columns
+    there = scan_parquet(f"{uri}/train", cols)
+    here = scan_parquet(tmp_path / "digits" / "train", cols)
+    assert there.num_rows == local["train"]["num_rows"] == here.num_rows
+    assert there.fingerprint == here.fingerprint
+    assert scan_parquet(f"{uri}/val", cols).num_rows == local["val"]["num_rows"]
+    run = subprocess.run([sys.executable, "-m", "elastic_ddp.driver.cli", "prepare", "digits", uri,
+                          "--num-files", "2"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    # (pyarrow's directory marker, the key ending in "/", is not a file)
+    assert sorted(k.rsplit("/", 1)[1] for k in s3.keys("sets/digits/train/") if not k.endswith("/")) == \
+        ["part-00000.parquet", "part-00001.parquet"]
+    assert scan_parquet(f"{uri}/train", cols).num_rows == here.num_rows
+
+
+def test_prepare_to_a_missing_bucket_is_one_line_exit_2(s3):
+    run = subprocess.run([sys.executable, "-m", "elastic_ddp.driver.cli", "prepare", "digits",
+                          f"s3://no-such-bucket-{os.getpid()}/digits"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-bucket" in lines[0] and "prepare OUT_DIR" in lines[0], run.stderr
+    assert "Traceback" not in run.stderr

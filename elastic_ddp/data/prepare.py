@@ -9,6 +9,13 @@ A data set is published atomically per split: files are written into a hidden st
 directory inside ``out_dir`` and renamed into place only once complete, so a crash
 never leaves a half-written ``train/`` or ``val/`` behind. Do not run two prepares into
 the same ``out_dir`` at once.
+
+``out_dir`` may also be an object-store URI (``s3://bucket/prefix``, ``gs://...``): the
+splits are written to a local temporary directory, then each split's old objects are
+deleted and the new files uploaded (:func:`elastic_ddp.paths.uri_to_filesystem`: the
+store's endpoint, time bounds and retries). An object store has no rename, so a split is
+not swapped in atomically there: an upload that fails deletes what it wrote of that split
+and raises, naming the split's URI (run the prepare again).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Any, Optional
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from elastic_ddp.paths import is_uri
 
 SPLITS = ("train", "val")
 _STAGING_PREFIX = ".staging-"
@@ -88,12 +97,10 @@ def prepare_digits(
                 "y": pa.array(labels[ids], type=pa.int64()),
             }
         )
-    splits = _publish(
-        Path(out_dir), tables, _files_per_split(num_files), row_group_size=256
-    )
+    splits = _publish_to(out_dir, tables, _files_per_split(num_files), row_group_size=256)
     return {
         "dataset": "digits",
-        "out_dir": str(Path(out_dir)),
+        "out_dir": _shown(out_dir),
         "feature_len": int(pixels.shape[1]),
         "num_classes": int(labels.max()) + 1,
         **splits,
@@ -182,12 +189,12 @@ def prepare_pycode(
         )
         stream_info[split] = {"source_files": n_sources, "bytes": len(stream)}
 
-    splits = _publish(Path(out_dir), tables, _files_per_split(num_files), row_group_size=4096)
+    splits = _publish_to(out_dir, tables, _files_per_split(num_files), row_group_size=4096)
     for split, info in stream_info.items():
         splits[split].update(info)
     return {
         "dataset": "pycode",
-        "out_dir": str(Path(out_dir)),
+        "out_dir": _shown(out_dir),
         "stdlib": str(stdlib),
         "block_size": block_size,
         "feature_len": window,
@@ -251,6 +258,66 @@ def _read_stream(root: Path, rel_paths: list[str], budget: Optional[int]) -> tup
         n_read += 1
     stream = b"".join(parts)
     return (stream[:budget] if budget is not None else stream), n_read
+
+
+def _shown(out_dir: str | os.PathLike) -> str:
+    """``out_dir`` as the summary names it: a URI as given, a path normalised."""
+    return str(out_dir) if _remote(out_dir) else str(Path(out_dir))
+
+
+def _remote(out_dir: str | os.PathLike) -> bool:
+    return is_uri(out_dir) and not os.fspath(out_dir).lower().startswith("file:")
+
+
+def _publish_to(out_dir: str | os.PathLike, tables: dict[str, pa.Table],
+                files_per_split: dict[str, int], row_group_size: int):
+    """:func:`_publish` into a local directory, or through a local one to an object store."""
+    if not is_uri(out_dir):
+        return _publish(Path(out_dir), tables, files_per_split, row_group_size)
+    if not _remote(out_dir):  # file://: its decoded path
+        from elastic_ddp.paths import uri_to_filesystem
+        return _publish(Path(uri_to_filesystem(out_dir)[1]), tables, files_per_split, row_group_size)
+    return _publish_remote(os.fspath(out_dir).rstrip("/"), tables, files_per_split, row_group_size)
+
+
+def _publish_remote(uri: str, tables: dict[str, pa.Table], files_per_split: dict[str, int],
+                    row_group_size: int) -> dict[str, Optional[dict[str, Any]]]:
+    """Write the splits locally, then replace each split's objects under ``uri`` by them.
+
+    Raises:
+        OSError: an upload or delete failed (the store's error in the message, after the
+            file system's own retries); the split's objects are deleted (best effort), so
+            no split is left with a mix of old and new files.
+    """
+    import pyarrow.fs
+
+    from elastic_ddp.paths import uri_to_filesystem
+
+    fs, root = uri_to_filesystem(uri)
+    summary: dict[str, Optional[dict[str, Any]]] = {split: None for split in SPLITS}
+    with tempfile.TemporaryDirectory(prefix="elastic-ddp-prepare-") as tmp:
+        local = _publish(Path(tmp), tables, files_per_split, row_group_size)
+        for split in SPLITS:
+            dest = f"{root}/{split}"
+            try:
+                fs.delete_dir_contents(dest, missing_dir_ok=True)
+                if local[split] is None:
+                    continue
+                pyarrow.fs.copy_files(f"{tmp}/{split}", dest,
+                                      source_filesystem=pyarrow.fs.LocalFileSystem(),
+                                      destination_filesystem=fs, use_threads=True)
+            except OSError as e:
+                try:
+                    fs.delete_dir_contents(dest, missing_dir_ok=True)
+                except OSError:
+                    pass
+                raise OSError(f"{uri}/{split}: the upload failed ({e}); its objects were "
+                              "deleted, run the prepare again") from None
+            names = [Path(f).name for f in local[split]["files"]]
+            summary[split] = {"path": f"{uri}/{split}",
+                              "files": [f"{uri}/{split}/{n}" for n in names],
+                              "num_rows": local[split]["num_rows"]}
+    return summary
 
 
 def _publish(

@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("dataset", choices=["digits", "pycode"],
                     help="digits: scikit-learn's 1,797 8x8 images (needs the 'examples' extra); "
                          "pycode: byte windows of this Python's standard library")
-    pr.add_argument("out_dir", help="directory to write; its train/ and val/ are replaced")
+    pr.add_argument("out_dir", help="directory or object-store URI (s3://bucket/prefix) to "
+                                    "write; its train/ and val/ are replaced")
     pr.add_argument("--num-files", type=int, default=None,
                     help="training Parquet files to shard into (default: digits 4, pycode 8)")
     pr.add_argument("--block-size", type=int, default=128,
@@ -276,7 +277,22 @@ def _ray_job_hint(args) -> str:
 
 def _prepare(args) -> int:
     from elastic_ddp.data.prepare import prepare_digits, prepare_pycode
+    from elastic_ddp.driver.storage_checks import StorageError, check_out_dir
 
+    try:
+        check_out_dir(args.out_dir)  # an object-store OUT_DIR: bucket, credentials, write
+        return _prepare_into(args, prepare_digits, prepare_pycode)
+    except StorageError as e:
+        print(f"elastic-ddp: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not str(args.out_dir).lower().startswith(("s3://", "gs://", "gcs://")):
+            raise
+        print(f"elastic-ddp: prepare {args.dataset}: {e}", file=sys.stderr)
+        return 2
+
+
+def _prepare_into(args, prepare_digits, prepare_pycode) -> int:
     if args.dataset == "digits":
         try:
             out = prepare_digits(args.out_dir, **({"num_files": args.num_files} if args.num_files else {}))

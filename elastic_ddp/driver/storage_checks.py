@@ -52,6 +52,24 @@ def check_object_storage(cfg: Config) -> None:
             check_gcs(uri, field)
 
 
+def check_out_dir(uri, field: str = "prepare OUT_DIR") -> None:
+    """An output URI written by a command other than a job (``elastic-ddp prepare``): an
+    ``s3://`` one is checked for writing as ``run.storage_path`` is, a ``gs://`` one as
+    :func:`check_gcs` does; a local path is not checked.
+
+    Raises:
+        StorageError: as :func:`check_s3` / :func:`check_gcs`.
+    """
+    uri = str(uri)
+    if not is_uri(uri):
+        return
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme == "s3":
+        check_s3(uri, field, write=True)
+    elif scheme in OBJECT_SCHEMES:
+        check_gcs(uri, field)
+
+
 def _where(settings: dict) -> str:
     """The endpoint for messages, without any user info."""
     host = settings["endpoint_override"]
