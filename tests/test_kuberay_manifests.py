@@ -218,3 +218,102 @@ def test_the_disruption_budget_selects_the_worker_group():
     assert labels["ray.io/cluster"] == cluster["metadata"]["name"]
     assert labels["ray.io/group"] in {g["groupName"] for g in cluster["spec"]["workerGroupSpecs"]}
     assert pdb["spec"]["maxUnavailable"] == 1
+
+
+# --------------------------------------------------------------------------- storage
+def _pods(cluster: dict) -> list[dict]:
+    """The pod specs of the head and of every worker group."""
+    return [cluster["spec"]["headGroupSpec"]["template"]["spec"]] + \
+        [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
+
+
+def _entrypoint_overrides(job: dict) -> dict[str, str]:
+    """The ``--set key=value`` pairs of a RayJob's ``elastic-ddp train`` entrypoint."""
+    words = job["spec"]["entrypoint"].split()
+    return dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+
+
+def test_pods_reach_object_storage_as_their_service_account_with_no_key_in_the_manifest():
+    """Object storage is the default: the job's data and checkpoints are s3:// URIs, every
+    pod runs as the service account the file defines (the identity a cloud role binds
+    to), and the S3 settings come only from an optional Secret: no literal endpoint or key
+    in the manifest, and a pod starts without that Secret (IRSA / Workload Identity)."""
+    docs = list(yaml.safe_load_all(MANIFESTS["RayCluster"].read_text()))
+    cluster = ray_docs(MANIFESTS["RayCluster"])[0]
+    accounts = {d["metadata"]["name"] for d in docs if d and d.get("kind") == "ServiceAccount"}
+    assert not any(d and d.get("kind") == "PersistentVolumeClaim" for d in docs)
+    for pod in _pods(cluster):
+        assert pod["serviceAccountName"] in accounts
+        (c,) = pod["containers"]
+        assert not any(v.get("persistentVolumeClaim") for v in pod.get("volumes", []))
+        aws = [e for e in c["env"] if e["name"].startswith("AWS_")]
+        assert {e["name"] for e in aws} == {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        for e in aws:
+            ref = e["valueFrom"]["secretKeyRef"]
+            assert "value" not in e and ref["name"] == "elastic-ddp-storage" and ref["optional"] is True
+    sets = _entrypoint_overrides(ray_docs(MANIFESTS["RayJob"])[0])
+    for key in ("data.train_path", "data.val_path", "run.storage_path"):
+        assert sets[key].startswith("s3://"), (key, sets[key])
+
+
+def _json6902(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 ``add`` / ``replace`` operations (what kustomize applies for a patch of
+    that form) on a copy of ``doc``; ``-`` appends to a list."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node = doc
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        assert op["op"] in ("add", "replace"), op
+        if isinstance(node, list):
+            if last == "-":
+                node.append(op["value"])
+            elif op["op"] == "add":
+                node.insert(int(last), op["value"])
+            else:
+                node[int(last)] = op["value"]
+        else:
+            assert op["op"] == "add" or last in node, f"replace of a missing {op['path']}"
+            node[last] = op["value"]
+    return doc
+
+
+def _shared_disk_overlay() -> dict[str, dict]:
+    """cluster/kuberay/shared-disk built as ``kubectl apply -k`` builds it: its resources
+    with its patches applied, by kind."""
+    base = KUBERAY / "shared-disk"
+    kust = yaml.safe_load((base / "kustomization.yaml").read_text())
+    docs = [d for r in kust["resources"] for d in yaml.safe_load_all((base / r).read_text()) if d]
+    out = {}
+    for d in docs:
+        for p in kust["patches"]:
+            t = p["target"]
+            if d["kind"] == t["kind"] and d["metadata"]["name"] == t["name"]:
+                d = _json6902(d, yaml.safe_load(p["patch"]))
+        out.setdefault(d["kind"], d)
+    return out
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_shared_disk_overlay_mounts_one_rwx_volume_everywhere(release):
+    """The alternative to object storage (cluster/kuberay/shared-disk): every pod mounts
+    the ReadWriteMany claim at /mnt/shared, the job's paths lie under it, its other
+    settings are the base job's, and both documents still validate against the release."""
+    built = _shared_disk_overlay()
+    cluster, job, pvc = built["RayCluster"], built["RayJob"], built["PersistentVolumeClaim"]
+    assert errors(release, cluster) == [] and errors(release, job) == []
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for pod in _pods(cluster):
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                  for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        (c,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert claims[mounts["/mnt/shared"]] == pvc["metadata"]["name"]
+    base = _entrypoint_overrides(ray_docs(MANIFESTS["RayJob"])[0])
+    sets = _entrypoint_overrides(job)
+    paths = ("data.train_path", "data.val_path", "run.storage_path")
+    assert all(sets[k].startswith("/mnt/shared/") for k in paths), sets
+    assert {k: v for k, v in sets.items() if k not in paths} == \
+        {k: v for k, v in base.items() if k not in paths}
+    assert job["spec"]["entrypoint"].split()[:3] == ray_docs(MANIFESTS["RayJob"])[0]["spec"]["entrypoint"].split()[:3]

@@ -129,8 +129,8 @@ def local_only_settings(cfg: Config, root: Path, environ: Mapping[str, str]) -> 
         if not Path(value).is_absolute():
             out.append(f"{key}={value!r} is relative: on the cluster it resolves inside the "
                        "job's uploaded copy of the checkout, which has no data and is new at "
-                       "every submission; use a path every node mounts (--set "
-                       f"{key}=/mnt/shared/...) or, for run.storage_path, s3://... / gs://...")
+                       f"every submission; use an object-store URI (--set {key}=s3://BUCKET/...)"
+                       " or a path every node mounts (/mnt/shared/...)")
         elif (why := _on_this_machine(Path(value), root)) is not None:
             out.append(f"{key}={value!r} is this machine's ({why}): the cluster's nodes do not "
                        "see it; use a path every node mounts or an object-store URI (if "
