@@ -30,7 +30,8 @@ exit codes:
        line names the fix (restore the run from MLflow's trash, or another run.name)
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
   143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
-       restart mode); running the same config again resumes it with no step recomputed.
+       either scaling.fault_tolerance); running the same config again resumes it with no
+       step recomputed.
        Also SIGTERM before training started (checks, data scan, MLflow run creation,
        Ray start-up): nothing to checkpoint, a run opened by then is marked KILLED
 """
