@@ -337,7 +337,7 @@ class RunConfig(Section):
         "MLflow run name; a job whose run of this name did not finish resumes it."))
     storage_path: str = Field(
         "ray_results", description=(
-            "Where the runs' checkpoints (run.storage_path/run.name/checkpoint_step<k>) and "
+            "Where the runs' checkpoints (run.storage_path/run.name/checkpoint_stepK) and "
             "leases (.leases/) live: a local path (made absolute) or an s3://, gs:// or "
             "file:// URI; every node must reach it (a shared disk or object storage on a "
             "multi-node cluster).")
