@@ -92,14 +92,19 @@ def markdown() -> str:
     for s in sections():
         out += [f"## {'Top level' if not s.name else '`' + s.name + '`'}", "", s.doc, "",
                 "| key | type | default | description |", "| --- | --- | --- | --- |"]
-        out += [f"| `{f.key}` | {_cell(f.type)} | {_cell(f.default)} | "
-                f"{f.description.replace('|', chr(92) + '|')} |" for f in s.fields]
+        out += [f"| `{f.key}` | {_cell(f.type)} | {_cell(f.default)} | {_text_cell(f.description)} |"
+                for f in s.fields]
         out.append("")
     return "\n".join(out)
 
 
 def _cell(value: str) -> str:
     return "`" + value.replace("|", "\\|") + "`"
+
+
+def _text_cell(text: str) -> str:
+    # A table cell of prose: '|' would end the cell, '<' could open an HTML tag.
+    return text.replace("|", "\\|").replace("<", "&lt;")
 
 
 def _doc(model: type[BaseModel]) -> str:
