@@ -48,7 +48,7 @@ def test_describe_prints_every_field_with_its_type_and_default(capsys):
             want = flat.get(key, {})
             assert json.loads(f.default) == want, (key, f.default, want)
     assert described["data.order"].type == '"windowed" | "permutation"'
-    assert described["data.partitions"].type == "int | null >= 1"
+    assert described["data.partitions"].type == "int >= 1 | null"
     assert described["optim.betas"].type == "[float, float]"
 
 

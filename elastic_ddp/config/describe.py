@@ -121,7 +121,12 @@ def _field(key: str, info: FieldInfo) -> FieldDoc:
     else:
         value = info.get_default(call_default_factory=True)
         default = json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value)
-    return FieldDoc(key, _type(info.annotation) + _bounds(info), default,
+    kind, bounds = _type(info.annotation), _bounds(info)
+    if bounds and kind.endswith(" | null"):  # the bound is the number's: int >= 1 | null
+        kind = kind.removesuffix(" | null") + bounds + " | null"
+    else:
+        kind += bounds
+    return FieldDoc(key, kind, default,
                     " ".join((info.description or "").split()))
 
 
