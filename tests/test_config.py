@@ -70,10 +70,10 @@ def test_a_misspelt_key_in_the_yaml_file_gets_the_closest_field(tmp_path):
     assert lines[0] == f"{path}: invalid config", lines
     assert set(lines[1:]) == {
         "  scaling.max_worker: unknown key; did you mean scaling.max_workers? "
-        "(see elastic_ddp/config/schema.py)",
-        "  optimiser: unknown key; did you mean optim? (see elastic_ddp/config/schema.py)",
+        "(every field: elastic-ddp config --describe)",
+        "  optimiser: unknown key; did you mean optim? (every field: elastic-ddp config --describe)",
         f"  train.zzzz: unknown key; train has: {', '.join(TrainConfig.model_fields)} "
-        "(see elastic_ddp/config/schema.py)"}, lines
+        "(every field: elastic-ddp config --describe)"}, lines
     assert "epochs, max_steps" in lines[1] + lines[2] + lines[3]
 
 

@@ -220,7 +220,7 @@ def _format_validation_error(e: ValidationError, source: str, model: type[BaseMo
             section = section_at(model, parts[:-1]) if parts else None
             hint = (unknown_key_hint(section, parts[:-1], parts[-1]) if section is not None
                     else "remove it or check the spelling")
-            msg = f"unknown key; {hint} (see elastic_ddp/config/schema.py)"
+            msg = f"unknown key; {hint} (every field: elastic-ddp config --describe)"
         elif err["type"] == "literal_error":
             msg = f"{err.get('input')!r} is not allowed: {msg}"
         # Cross-field errors have no location; their message names the fields itself.

@@ -52,7 +52,10 @@ class DataConfig(Section):
                           "gs:// or file:// URI); none skips validation."
     )
     id_column: str = Field(
-        "sample_id", description="Unique integer id per row; the ledger of what was consumed."
+        "sample_id", description=(
+            "Column holding a unique integer id per row (checked by the driver's scan): rows "
+            "are named by it in the sample ledger, warnings and errors, and a transform's "
+            "random numbers derive from it with seed and epoch.")
     )
     order: Literal["windowed", "permutation"] = Field(
         "windowed",
@@ -93,9 +96,10 @@ class DataConfig(Section):
     reader: Literal["auto", "dataloader", "ray_data"] = Field(
         "auto", description=(
             "Who reads and transforms a rank's training rows (the rows, their order and a "
-            "resume are the same either way). dataloader: 2 torch DataLoader worker "
-            "processes on the trainer's node (started from a forkserver once, kept for the run) (what they hold ahead is "
-            "bounded in chunks of ~8 MiB of Parquet, not by read_ahead_mib). ray_data: a "
+            "resume are the same either way). dataloader: read_tasks torch DataLoader worker "
+            "processes on the trainer's node, started from a forkserver once and kept for the "
+            "run (what they hold ahead is bounded in chunks of ~8 MiB of Parquet, not by "
+            "read_ahead_mib). ray_data: a "
             "Ray Data pipeline per rank and round (read and transform tasks, at most "
             "read_ahead_mib ahead in the object store). auto: dataloader, the faster on "
             "the trainer's node (docs/benchmarks.md)."),
@@ -163,7 +167,7 @@ class OptimConfig(Section):
 
 
 class ParallelConfig(Section):
-    """How the model is replicated or sharded, and the DDP knobs (see parallel.py)."""
+    """How the model is replicated or sharded, and the DDP knobs (``elastic_ddp/parallel/``)."""
 
     strategy: Literal["ddp", "zero1", "fsdp"] = Field(
         "ddp", description="ddp; zero1 = DDP + ZeroRedundancyOptimizer; fsdp = FSDP2 fully_shard.")
@@ -182,8 +186,8 @@ class ParallelConfig(Section):
     powersgd_start_iter: Optional[int] = Field(
         None, ge=1, description=(
             "PowerSGD: plain all-reduce for the first N optimizer steps. null: "
-            "max(optim.warmup_steps, 20% of the run's steps); see "
-            "parallel.powersgd_start_step."))
+            "max(optim.warmup_steps, 20% of the run's steps) "
+            "(elastic_ddp.parallel.comm_hooks.powersgd_start_step)."))
     fsdp_keep_params_between_fwd_bwd: bool = Field(
         False, description="fsdp: reshard_after_forward=False (ZeRO-2-like).")
     sync_batchnorm: bool = Field(
@@ -328,17 +332,24 @@ class ScalingConfig(Section):
 class RunConfig(Section):
     """Names and places: Ray storage and the MLflow store."""
 
-    name: str = Field("elastic-ddp", description="Ray Train run name; resumable key.")
+    name: str = Field("elastic-ddp", description=(
+        "The run's key: its directory under run.storage_path (Ray Train's run name) and its "
+        "MLflow run name; a job whose run of this name did not finish resumes it."))
     storage_path: str = Field(
-        "ray_results", description="Checkpoint root (made absolute; a URI on a cluster)."
+        "ray_results", description=(
+            "Where the runs' checkpoints (run.storage_path/run.name/checkpoint_stepK) and "
+            "leases (.leases/) live: a local path (made absolute) or an s3://, gs:// or "
+            "file:// URI; every node must reach it (a shared disk or object storage on a "
+            "multi-node cluster).")
     )
-    experiment_name: str = Field("elastic-ddp", description="MLflow experiment.")
+    experiment_name: str = Field("elastic-ddp", description="MLflow experiment of the run (created when missing).")
     tracking_uri: Optional[str] = Field(
         None,
         description="MLflow URI; default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db.",
     )
     resume: bool = Field(
-        True, description="Reuse the MLflow run and checkpoints of a same-named run."
+        True, description=("Resume an unfinished run of the same run.name: its MLflow run and "
+                           "newest checkpoint. false: start a new run.")
     )
 
     @field_validator("name")

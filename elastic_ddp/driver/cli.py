@@ -6,6 +6,7 @@
     elastic-ddp train experiments/configs/digits_cnn.yaml --set scaling.max_workers=4
     elastic-ddp sweep experiments/configs/digits_cnn.yaml --world-sizes 1,2
     elastic-ddp submit experiments/configs/digits_cnn.yaml --address http://127.0.0.1:8265 --wait
+    elastic-ddp config --describe
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ exit codes:
        line names the fix (restore the run from MLflow's trash, or another run.name)
   130  interrupted (Ctrl-C); running the same config again resumes an unfinished job
   143  stopped by SIGTERM at a checkpoint committed at the next step boundary (Ray 2.60,
-       restart mode); running the same config again resumes it with no step recomputed.
+       either scaling.fault_tolerance); running the same config again resumes it with no
+       step recomputed.
        Also SIGTERM before training started (checks, data scan, MLflow run creation,
        Ray start-up): nothing to checkpoint, a run opened by then is marked KILLED
 """
@@ -139,6 +141,16 @@ def _parser() -> argparse.ArgumentParser:
                          "(sizes, XXH3 checksums; by default a checkpoint that fails them is "
                          "refused, exit 2); reads an incomplete checkpoint as it is")
 
+    cf = sub.add_parser("config", help="the config reference: every field's key, type, default, description",
+                        description="Print every config field (dotted key, type, default and\n"
+                                    "description), as the schema declares it. docs/config.md is\n"
+                                    "its --markdown output.",
+                        formatter_class=fmt)
+    cf.add_argument("--describe", action="store_true", required=True,
+                    help="print the reference (the one thing this command does)")
+    cf.add_argument("--markdown", action="store_true",
+                    help="as Markdown tables, one per section (docs/config.md)")
+
     dn = sub.add_parser("drain-node", help="drain this pod's Ray node before it stops (a preStop hook)",
                         description="Drain the Ray node of this container as a preemption with a\n"
                                     "deadline (Ray's DRAIN_NODE_REASON_PREEMPTION), then wait until no\n"
@@ -193,6 +205,11 @@ def _main(args) -> int:
             return _export(args)
         if args.cmd == "drain-node":
             return _drain_node(args)
+        if args.cmd == "config":
+            from elastic_ddp.config import describe
+
+            print(describe.markdown() if args.markdown else describe.text(), end="")
+            return 0
         cfg = Config.load(args.config, args.overrides)
         if args.cmd in ("train", "sweep"):
             _route_library_logs(args.ray_logs)
