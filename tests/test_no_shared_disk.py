@@ -18,6 +18,8 @@ the one driver directory the nodes see.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import threading
@@ -102,22 +104,81 @@ def test_local_paths_do_not_reach_the_nodes(nodisk_cluster, digits_data, tmp_pat
     assert [r.info.status for r in mlflow_runs(tmp_path)] == ["FAILED"]
 
 
+@contextlib.contextmanager
+def mlflow_server(tmp: Path, artifacts: str, env: dict[str, str]):
+    """``cluster/mlflow_server.sh`` on a free loopback port, its database under ``tmp`` and
+    its artifacts at ``artifacts`` (the server proxies them: the job needs no
+    credentials for them); yields its URI once ``/health`` answers (180 s bound: the server imports for a while on a loaded machine)."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp / "mlflow-server.log", "wb")
+    proc = subprocess.Popen(
+        ["bash", str(Path(__file__).resolve().parents[1] / "cluster" / "mlflow_server.sh")],
+        cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **env, "MLFLOW_PORT": str(port), "MLFLOW_WORKERS": "1",
+             "MLFLOW_ARTIFACTS_DESTINATION": artifacts})
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, \
+                (tmp / "mlflow-server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except Exception:  # noqa: BLE001 - a server that ignores SIGTERM
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+        log.close()
+
+
 def test_digits_on_object_storage_only(nodisk_cluster, digits_data, s3, tmp_path):
+    """The digits job with its data, checkpoints and lease in the bucket and its MLflow
+    run on ``cluster/mlflow_server.sh`` with ``--artifacts-destination s3://...``: it
+    trains to the usual accuracy, and the run's artifacts (the event log, the summary,
+    the model) land in the bucket and load back through the server."""
+    from mlflow.tracking import MlflowClient
+
     cfg = _s3_job(s3, digits_data, tmp_path, "s3-only")
     diag, ledger = _diag(nodisk_cluster, "s3-only")
-    t = time.time()
-    s = train(cfg, diagnostics=diag, progress=False)
-    print(f"[no shared disk] {time.time() - t:.1f} s, metrics {s.metrics}")
-    assert s.steps == STEPS and s.restarts == 0
-    assert s.metrics["val_acc"] >= MIN_VAL_ACC, s.metrics
-    _assert_ledger_clean(ledger, digits_data)
-    # Checkpoints and the lease went to the bucket; nothing to the driver's tmp dir but
-    # the MLflow store.
-    keys = s3.keys("runs/")
-    assert any("/checkpoint_step" in k for k in keys), keys
-    assert not (tmp_path / "ray_results").exists()
-    runs = mlflow_runs(tmp_path)
-    assert [r.info.run_id for r in runs] == [s.run_id] and runs[0].info.status == "FINISHED"
+    with mlflow_server(tmp_path, s3.uri("mlflow"), s3.env) as tracking_uri:
+        cfg = Config.from_dict({**cfg.model_dump(mode="json"),
+                                "run": {**cfg.run.model_dump(mode="json"), "tracking_uri": tracking_uri}})
+        t = time.time()
+        s = train(cfg, diagnostics=diag, progress=False)
+        print(f"[no shared disk] {time.time() - t:.1f} s, metrics {s.metrics}")
+        assert s.steps == STEPS and s.restarts == 0
+        assert s.metrics["val_acc"] >= MIN_VAL_ACC, s.metrics
+        _assert_ledger_clean(ledger, digits_data)
+        # Checkpoints and the lease went to the bucket; nothing to the driver's tmp dir.
+        keys = s3.keys("runs/")
+        assert any("/checkpoint_step" in k for k in keys), keys
+        assert not (tmp_path / "ray_results").exists()
+        client = MlflowClient(tracking_uri)
+        run = client.get_run(s.run_id)
+        assert run.info.status == "FINISHED"
+        stored = s3.keys("mlflow/")
+        for name in ("summary.json", "model/model.pt"):
+            assert any(k.endswith(f"/{s.run_id}/artifacts/{name}") for k in stored), (name, stored)
+        summary = json.loads(Path(client.download_artifacts(s.run_id, "summary.json", str(tmp_path))).read_text())
+        assert summary["run_id"] == s.run_id and summary["steps"] == STEPS
+        weights = torch.load(client.download_artifacts(s.run_id, "model/model.pt", str(tmp_path)),
+                             weights_only=True)
+        assert weights and all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
 
 
 @pytest.mark.slow
