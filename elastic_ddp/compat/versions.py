@@ -94,6 +94,11 @@ OVERRIDES: tuple[Override, ...] = (
              "up to 20 s: a start sized by it waits for a worker there, "
              "scaling.placement_timeout_s at a time)",
              tested=("2.60.0",)),
+    Override("grow_checkpoint", "checkpoint before a grow (compat.ray_grow)",
+             "an elastic job's running group, before Ray Train restarts it onto more workers, "
+             "commits a checkpoint at the next step boundary (a grow notice), so the grow "
+             "recomputes no step (Ray Train restarts it from the last periodic checkpoint)",
+             tested=("2.60.0",)),
 )
 
 
