@@ -158,3 +158,7 @@ def test_the_controller_reads_the_timeout_its_callbacks_set(monkeypatch):
         ControllerEvents(sink).after_controller_start(None)
         assert ray_grow.grow_timeout() == want, (preemption, timeout)
     ray_grow.set_grow_timeout(None)
+
+
+def test_the_marker_of_the_checkpoint_at_a_grow_notice_is_the_notices():
+    assert GrowFirst.__init__.__defaults__[0] == notice.GROW_METRIC

@@ -12,8 +12,9 @@ looks at the cluster) and, on a ``ResizeDecision``, shuts the group down and sta
 new one from the newest reported checkpoint: the steps since it are computed twice. The
 wrapper (:class:`GrowFirst`) holds such a decision back (``NoopDecision`` meanwhile),
 sends the running workers a ``grow`` notice (``notice.request_grow`` in each worker's main
-thread) and hands the held decision to the controller when a checkpoint whose report
-carries ``notice.GROW_METRIC`` has been registered, or after ``timeout_s`` (one line says
+thread, handed over by :func:`set_grow_timeout`) and hands the held decision to the
+controller when a checkpoint whose report carries ``notice.GROW_METRIC`` has been
+registered, or after ``timeout_s`` (one line says
 so; the resize then starts from the newest checkpoint as Ray's would). What the decision
 cost is kept for the controller's ``resize`` event (:func:`take_grow`).
 
@@ -29,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from typing import Any, Callable, Optional
-
-from elastic_ddp import notice
 
 _released: list = []  # the last grow handed to the controller (take_grow)
 
@@ -54,14 +53,16 @@ class GrowFirst:
     told (0: none, the decision goes ahead at once). ``latest()``: the newest registered
     checkpoint result (an object with ``metrics``, a dict), or None. ``noop()``: a
     ``NoopDecision``. ``timeout_s``: the longest wait for the checkpoint (seconds).
-    ``log``: where the one line of a timeout goes."""
+    ``metric``: the report metric that marks the checkpoint at the notice
+    (``notice.GROW_METRIC``). ``log``: where the one line of a timeout goes."""
 
     def __init__(self, decide: Callable, tell: Callable[[], int], latest: Callable[[], Any],
-                 noop: Callable[[], Any], timeout_s: float,
+                 noop: Callable[[], Any], timeout_s: float, metric: str = "grow_checkpoint",
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  log: Callable[[str], None] = print):
         self.decide, self.tell, self.latest, self.noop = decide, tell, latest, noop
         self.timeout_s, self.clock, self.wall, self.log = timeout_s, clock, wall, log
+        self.metric = metric
         self.held: Optional[_Held] = None
 
     def __call__(self, worker_group_state, worker_group_status):
@@ -85,7 +86,7 @@ class GrowFirst:
     def _release_or_wait(self, h: _Held):
         latest = self.latest()
         done = latest is not None and latest is not h.baseline and \
-            bool((getattr(latest, "metrics", None) or {}).get(notice.GROW_METRIC))
+            bool((getattr(latest, "metrics", None) or {}).get(self.metric))
         waited = self.clock() - h.started
         if not done and waited < self.timeout_s:
             return self.noop()
@@ -131,39 +132,46 @@ def grow_event(grow: dict) -> dict:
     return out
 
 
-def checkpoint_before_grow(policy, controller, timeout_s: float) -> bool:
+def checkpoint_before_grow(policy, controller) -> bool:
     """Wrap ``policy.make_decision_for_running_worker_group`` (Ray Train's elastic
-    scaling policy of ``controller``, an ``EnvController``) in :class:`GrowFirst`; True
-    when wrapped (False: no such method, or wrapped already)."""
+    scaling policy of ``controller``, an ``EnvController``) in :class:`GrowFirst`, as
+    :func:`set_grow_timeout` set it for this process; True when wrapped (False: not set,
+    no such method, or wrapped already)."""
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision
 
     from elastic_ddp.compat.ray_train import tell_workers
 
     running = getattr(policy, "make_decision_for_running_worker_group", None)
-    if running is None or isinstance(running, GrowFirst):
+    if _grow is None or running is None or isinstance(running, GrowFirst):
         return False
+    timeout_s, note, metric = _grow
 
     def latest():
         return getattr(controller._checkpoint_manager, "latest_checkpoint_result", None)
 
     def tell() -> int:
-        return tell_workers(controller.get_worker_group(), notice.request_grow)
+        return tell_workers(controller.get_worker_group(), note)
 
     _released.clear()
-    policy.make_decision_for_running_worker_group = GrowFirst(running, tell, latest, NoopDecision, timeout_s)
+    policy.make_decision_for_running_worker_group = GrowFirst(running, tell, latest, NoopDecision, timeout_s,
+                                                              metric=metric)
     return True
 
 
-# The timeout the job's controller callbacks set (controller.events.ControllerEvents,
-# ``scaling.grow_checkpoint_timeout_s``) before the controller reads it; None: off.
-_timeout: list = [None]
+# What the job's controller callbacks set (controller.events.ControllerEvents) before the
+# controller reads it: (timeout_s, the notice to run in each worker, the report metric).
+_grow: Optional[tuple] = None
 
 
-def set_grow_timeout(timeout_s: Optional[float]) -> None:
-    """Set (None or 0: clear) the wait of :func:`checkpoint_before_grow` for this
-    process's controller."""
-    _timeout[0] = timeout_s or None
+def set_grow_timeout(timeout_s: Optional[float], note: Optional[Callable[[], None]] = None,
+                     metric: str = "grow_checkpoint") -> None:
+    """Make :func:`checkpoint_before_grow` wait up to ``timeout_s`` seconds for the
+    checkpoint at the notice ``note`` (run in each worker's main thread), marked by the
+    report metric ``metric``, in this process's controller; ``timeout_s`` None or 0: off."""
+    global _grow
+    _grow = (float(timeout_s), note, metric) if timeout_s and note is not None else None
 
 
 def grow_timeout() -> Optional[float]:
-    return _timeout[0]
+    """The wait set by :func:`set_grow_timeout` (seconds), or None: off."""
+    return _grow[0] if _grow is not None else None

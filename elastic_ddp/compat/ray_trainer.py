@@ -85,7 +85,7 @@ def _controller_class():
             # after_controller_start); replica groups (per_step mode) never resize so.
             grow_s = ray_grow.grow_timeout()
             if grow_s and not self._manages_replica_groups and ray_plan().applies("grow_checkpoint"):
-                ray_grow.checkpoint_before_grow(self._scaling_policy, self, grow_s)
+                ray_grow.checkpoint_before_grow(self._scaling_policy, self)
             # Replica groups (per_step mode) whose replacement waits for capacity.
             self._capacity_wait = ray_plan().applies("replica_group_capacity")
             self._waiting: set[int] = set()

@@ -354,7 +354,8 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
             count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None,
                                          self.sink.died_after_notice)
         # Read by the controller right after this hook (compat.ray_trainer.EnvController).
-        set_grow_timeout(self.sink.grow_checkpoint_timeout_s if self.sink.preemption else None)
+        set_grow_timeout(self.sink.grow_checkpoint_timeout_s if self.sink.preemption else None,
+                         notice.request_grow, notice.GROW_METRIC)
         self.sink.mark("controller_started")
 
     def before_worker_group_start(self, worker_group_context) -> None:
