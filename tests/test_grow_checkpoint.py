@@ -5,6 +5,7 @@ the grow of a running group on a real cluster is tests/test_grow_e2e.py)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -162,3 +163,19 @@ def test_the_controller_reads_the_timeout_its_callbacks_set(monkeypatch):
 
 def test_the_marker_of_the_checkpoint_at_a_grow_notice_is_the_notices():
     assert GrowFirst.__init__.__defaults__[0] == notice.GROW_METRIC
+
+
+def test_a_rank_waits_after_a_grows_checkpoint_until_torn_down_or_another_notice():
+    from elastic_ddp.worker.notice import NoticeListener
+
+    notice.clear()
+    try:
+        t = time.monotonic()
+        assert NoticeListener.wait_for_teardown(0.3, poll_s=0.05) == "grow"  # never torn down
+        assert time.monotonic() - t >= 0.3
+        notice.note("sigterm")  # the checkpoint at the grow is the one a SIGTERM needs
+        assert NoticeListener.wait_for_teardown(30.0, poll_s=0.05) == "sigterm"
+        notice.note("stop")
+        assert NoticeListener.wait_for_teardown(30.0, poll_s=0.05) == "stop"
+    finally:
+        notice.clear()
