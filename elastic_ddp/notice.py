@@ -11,7 +11,12 @@ A notice is one of:
   notice); the handler (:func:`note`) only records it, so that the process lives on
   until the checkpoint is committed;
 - ``stop``: the driver got SIGTERM (a Ray job being stopped, a CI runner cancelled) and
-  asked the controller to stop the job (``compat.ray_trainer.ControllerHost.request_stop``).
+  asked the controller to stop the job (``compat.ray_trainer.ControllerHost.request_stop``);
+- ``grow``: the controller's elastic policy decided to restart the running group onto
+  more workers (``compat.ray_grow``): the workers commit a checkpoint at the next step
+  boundary and wait there (:data:`GROW_METRIC` marks its report) until the controller
+  tears the group down and starts the larger one from it; no step is recomputed and no
+  budget is spent (``restart`` mode only).
 
 In ``restart`` mode the workers agree on it at a step boundary
 (``elastic_ddp.worker.notice``), commit a checkpoint there, and every rank raises
@@ -31,7 +36,11 @@ import time
 from typing import Any, Optional
 
 #: The notice kinds, in the order of their codes in the workers' agreement (0: none).
-SOURCES = ("drain", "sigterm", "stop")
+SOURCES = ("drain", "sigterm", "stop", "grow")
+
+#: The report metric (1.0) of the checkpoint the workers commit at a ``grow`` notice: the
+#: controller resizes once a checkpoint with it is reported (``compat.ray_grow``).
+GROW_METRIC = "grow_checkpoint"
 
 _lock = threading.Lock()
 _noted: dict[str, Any] = {}
@@ -62,6 +71,11 @@ def clear() -> None:
 def request_stop() -> None:
     """The driver's stop, run in a worker's main thread by the controller."""
     note("stop")
+
+
+def request_grow() -> None:
+    """The controller's planned grow, run in a worker's main thread by the controller."""
+    note("grow")
 
 
 class Preempted(RuntimeError):

@@ -79,6 +79,13 @@ def _controller_class():
                 from elastic_ddp.compat.ray_scaling import count_usable_nodes_only
 
                 count_usable_nodes_only(self._scaling_policy)
+            from elastic_ddp.compat import ray_grow
+
+            # Set by the job's controller callbacks in super().__init__ (their
+            # after_controller_start); replica groups (per_step mode) never resize so.
+            grow_s = ray_grow.grow_timeout()
+            if grow_s and not self._manages_replica_groups and ray_plan().applies("grow_checkpoint"):
+                ray_grow.checkpoint_before_grow(self._scaling_policy, self)
             # Replica groups (per_step mode) whose replacement waits for capacity.
             self._capacity_wait = ray_plan().applies("replica_group_capacity")
             self._waiting: set[int] = set()

@@ -31,7 +31,7 @@ from typing import Optional
 # tested on all of them replace, patch or call is the same in all of them, except that
 # SynchronizationActor has three more methods from 2.60 on (compat.ray_trainer.SYNC_METHODS
 # serves both sets); the .0 and .1 releases of 2.56, 2.57 and 2.58 ship identical
-# ray/train sources. The two overrides tested on 2.60 only are skipped on 2.56 to 2.59
+# ray/train sources. The three overrides tested on 2.60 only are skipped on 2.56 to 2.59
 # with the warning line (README.md's Ray range note says what a job loses there):
 # - usable_node_count: before 2.60 ElasticScalingPolicy._count_possible_workers gets a
 #   list of per-node resources without node ids, which it cannot filter by node;
@@ -39,7 +39,8 @@ from typing import Optional
 #   same in 2.58 and 2.59 (in 2.56 and 2.57 but for 2.60's preemption additions to the
 #   worker group and its poll status, which it does not use), but per-step mode with a
 #   lost node (tests/test_per_step_capacity.py) ran on 2.60 only, and the restart-mode
-#   jobs of tests/test_ray_versions.py never take its path.
+#   jobs of tests/test_ray_versions.py never take its path;
+# - grow_checkpoint: a grow notice is a notice, which before 2.60 is handled as a crash.
 TESTED_RAY = ("2.56.0", "2.56.1", "2.57.0", "2.57.1", "2.58.0", "2.58.1", "2.59.0", "2.60.0")
 # The first Ray release with Ray Train's TorchftConfig, which scaling.fault_tolerance=
 # per_step runs on (a public module; every supported release has it).
@@ -93,6 +94,11 @@ OVERRIDES: tuple[Override, ...] = (
              "Train's view of the nodes keeps a draining node until it is gone and a removed one "
              "up to 20 s: a start sized by it waits for a worker there, "
              "scaling.placement_timeout_s at a time)",
+             tested=("2.60.0",)),
+    Override("grow_checkpoint", "checkpoint before a grow (compat.ray_grow)",
+             "an elastic job's running group, before Ray Train restarts it onto more workers, "
+             "commits a checkpoint at the next step boundary (a grow notice), so the grow "
+             "recomputes no step (Ray Train restarts it from the last periodic checkpoint)",
              tested=("2.60.0",)),
 )
 

@@ -315,8 +315,17 @@ class ScalingConfig(Section):
         60.0, ge=0, description=(
             "Elastic jobs only (min_workers < max_workers): how often a healthy worker "
             "group checks for room to grow (Ray Train's elastic_resize_monitor_interval_s). "
-            "A grow restarts the group from the last checkpoint, so a short interval "
-            "costs recomputed steps; Ray also sees new nodes only every ~20 s."),
+            "A grow restarts the group; with preemption_checkpoint (restart mode) the "
+            "workers first commit a checkpoint at the next step boundary, so no step is "
+            "recomputed (grow_checkpoint_timeout_s); Ray sees new nodes only every ~20 s."),
+    )
+    grow_checkpoint_timeout_s: float = Field(
+        60.0, ge=0, description=(
+            "restart mode with preemption_checkpoint, elastic jobs: when the group grows "
+            "onto more workers, how long the controller waits for the checkpoint the "
+            "workers commit at the next step boundary before it restarts the group from "
+            "the newest checkpoint anyway (one line says so; the steps since it are "
+            "recomputed). 0: no checkpoint first."),
     )
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 from ray.train.v2.api.callback import UserCallback
 
 from elastic_ddp import notice
+from elastic_ddp.compat.ray_grow import grow_event, set_grow_timeout, take_grow
 from elastic_ddp.compat.ray_train import (ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback,
                                           actor_death_time, count_notices_as_preemptions,
                                           retry_worker_deaths_at_start, shut_down_failed_starts,
@@ -47,9 +48,13 @@ class ElasticEvents(UserCallback):
     preemptions (``compat.versions.preemption_supported``)."""
 
     def __init__(self, tracker, run_name: Optional[str] = None, storage: Optional[str] = None,
-                 collective_timeout_s: Optional[float] = None, preemption: bool = False):
+                 collective_timeout_s: Optional[float] = None, preemption: bool = False,
+                 grow_checkpoint_timeout_s: Optional[float] = None):
         self.tracker = tracker
         self.preemption = preemption
+        # A grow of a running group checkpoints first (compat.ray_grow): restart mode with
+        # notices, elastic jobs; None or 0: off.
+        self.grow_checkpoint_timeout_s = grow_checkpoint_timeout_s
         self.run_name, self.storage = run_name, storage
         self.collective_timeout_s = collective_timeout_s
         # rank -> {node_id, node_ip, pid} of the running worker group (ControllerEvents).
@@ -348,6 +353,9 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
         if self.sink.preemption:
             count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None,
                                          self.sink.died_after_notice)
+        # Read by the controller right after this hook (compat.ray_trainer.EnvController).
+        set_grow_timeout(self.sink.grow_checkpoint_timeout_s if self.sink.preemption else None,
+                         notice.request_grow, notice.GROW_METRIC)
         self.sink.mark("controller_started")
 
     def before_worker_group_start(self, worker_group_context) -> None:
@@ -411,11 +419,15 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
             failure["world_size_after"] = new_size
             self.sink.record(None)
         else:
-            self.sink.record({"type": "resize", "t": time.time(),
-                              "world_size_before": self.sink._last_world_size,
-                              "world_size_after": new_size,
-                              "world_size_requested": new_size,
-                              "last_checkpoint_step": self.sink._last_step})
+            event = {"type": "resize", "t": time.time(),
+                     "world_size_before": self.sink._last_world_size,
+                     "world_size_after": new_size,
+                     "world_size_requested": new_size,
+                     "last_checkpoint_step": self.sink._last_step}
+            grow = take_grow()
+            if grow is not None:
+                event.update(grow_event(grow))
+            self.sink.record(event)
         # The group being started has this size even if it dies before its first
         # report (else the next failure would name the size of the group before it).
         self.sink._last_world_size = new_size

@@ -201,7 +201,9 @@ def build_trainer(cfg: Config, job, tracker):
         torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE), backend=torch_config.backend,
                                      timeout_s=s.collective_timeout_s)
     sink = ElasticEvents(tracker, run_name=cfg.run.name, storage=_storage_path(cfg),
-                         collective_timeout_s=s.collective_timeout_s, preemption=preempt)
+                         collective_timeout_s=s.collective_timeout_s, preemption=preempt,
+                         grow_checkpoint_timeout_s=(s.grow_checkpoint_timeout_s
+                                                    if elastic and s.fault_tolerance == "restart" else None))
     callbacks = [sink]
     if plan.applies("controller_events"):
         callbacks.append(ControllerEvents(sink))

@@ -47,7 +47,7 @@ def job_params(cfg: Config) -> dict[str, str]:
     else:
         drop.add("optim.betas")
     if s.min_workers == s.max_workers:
-        drop.add("scaling.resize_monitor_interval_s")  # elastic jobs only
+        drop |= {"scaling.resize_monitor_interval_s", "scaling.grow_checkpoint_timeout_s"}  # elastic jobs only
     out = {"world_size": str(s.max_workers) if s.min_workers == s.max_workers
            else f"{s.min_workers}-{s.max_workers}"}
     for k, v in flat.items():

@@ -30,7 +30,9 @@ since the last start (a step 10 times slower stretches the interval 10 times, un
 next start). Sources on a rank: its own SIGTERM (a handler in the worker's main thread
 that only notes it, so the process lives until the checkpoint is committed; a second
 SIGTERM ends it as Ray's handler would), Ray Train's preemption watcher's report of a
-node drain (``compat.ray_train.local_preemption_info``), and the driver's stop.
+node drain (``compat.ray_train.local_preemption_info``), the driver's stop, and the
+controller's planned grow (``compat.ray_grow``: the ranks commit the checkpoint and wait
+there for the group's teardown instead of raising).
 
 Costs (``experiments/bench_overhead.py --preemption`` measures the job with and without
 listening; ``experiments/bench_listen.py`` times ``agreed()``): per agreement, the read
@@ -105,7 +107,9 @@ def build(trainer) -> Optional["NoticeListener"]:
     if not (getattr(trainer.job, "preemption", False) and cfg.scaling.preemption_checkpoint
             and cfg.scaling.fault_tolerance == "restart"):
         return None
-    return NoticeListener(trainer, interval_s=cfg.scaling.notice_agreement_s)
+    listener = NoticeListener(trainer, interval_s=cfg.scaling.notice_agreement_s)
+    listener.park_s = cfg.scaling.grow_checkpoint_timeout_s + 60.0
+    return listener
 
 
 #: This process's rank position record (``positions.Position``, set by the listener): a
@@ -244,21 +248,55 @@ class NoticeListener:
 
     def checkpoint_and_stop(self, agreed: dict) -> None:
         """Commit the checkpoint of the current step (synchronously: an asynchronous one
-        in flight is finished first) and raise :class:`Preempted` on this rank.
+        in flight is finished first) and raise :class:`Preempted` on this rank. A
+        ``grow`` notice alone: the checkpoint's report carries ``notice.GROW_METRIC``
+        and the rank waits (:meth:`wait_for_teardown`) for the controller to tear the
+        group down and start the larger one from it.
 
         Raises:
-            Preempted: always, once the checkpoint is committed on every rank."""
+            Preempted: once the checkpoint is committed on every rank (after a grow's
+                checkpoint: only if the wait ends without the teardown)."""
         t = self.t
         self._finish()  # none in flight once a notice is read (agreed() starts none then)
         step = t.progress.step
-        # The driver's stop wins (the job ends), then a drain (its deadline is known).
-        source = next(s for s in ("stop", "drain", "sigterm") if s in agreed["sources"])
-        t.log(f"{source} notice at step {step} (ranks {agreed['ranks']}): committing a checkpoint")
-        t.checkpoint({}, final=True)
+        # The driver's stop wins (the job ends), then a drain (its deadline is known); a
+        # planned grow only where nothing else came.
+        source = next(s for s in ("stop", "drain", "sigterm", "grow") if s in agreed["sources"])
+        if source == "grow":
+            t.log(f"grow notice at step {step}: committing a checkpoint; the group restarts larger from it")
+        else:
+            t.log(f"{source} notice at step {step} (ranks {agreed['ranks']}): committing a checkpoint")
+        t.checkpoint({notice.GROW_METRIC: 1.0} if source == "grow" else {}, final=True)
         t.ledger.close()
+        if source == "grow":
+            source = self.wait_for_teardown(self.park_s)
         raise Preempted(source, step, agreed["noticed_t"], agreed["deadline_t"], time.time(),
                         tuple(agreed["ranks"]), self.rank)
 
+    #: Seconds a rank waits after a grow's checkpoint for the controller's teardown
+    #: (``scaling.grow_checkpoint_timeout_s`` plus this, set by :func:`build`).
+    park_s = 120.0
+
+    @staticmethod
+    def wait_for_teardown(limit_s: float, poll_s: float = 0.2) -> str:
+        """After a grow's checkpoint: sleep until the controller ends this process (its
+        resize shuts the group down, ``compat.ray_grow``), at most ``limit_s`` seconds.
+        Returns the notice to raise :class:`Preempted` with when it did not: another
+        notice that came meanwhile (a drain, a SIGTERM, the driver's stop: its
+        checkpoint is the one just committed), else ``"grow"`` (the controller never
+        resized: Ray Train restarts the group from this checkpoint as a preemption).
+        Costs a dict read every ``poll_s``; the rank computes nothing."""
+        from elastic_ddp.compat.ray_train import local_preemption_info
+
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            other = [s for s in ("stop", "drain", "sigterm") if s in notice.noted()]
+            if other:
+                return other[0]
+            if local_preemption_info() is not None:
+                return "drain"
+            time.sleep(poll_s)
+        return "grow"
 
 # ------------------------------------------------------------------------ per-step mode
 def build_leave(trainer) -> Optional["ReplicaLeave"]:
