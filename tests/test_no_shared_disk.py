@@ -278,3 +278,45 @@ def test_stalled_checkpoint_upload_is_bounded(nodisk_cluster, digits_data, s3, s
     if "summary" in result:
         text = " ".join(map(str, result["summary"].events))
         assert "checkpoint_step00000020/__1_0.distcp" in text, result["summary"].events
+
+
+@pytest.mark.slow
+def test_hf_lm_on_object_storage_only(nodisk_cluster, s3, tmp_path):
+    """The Hugging Face example (experiments/examples/hf_lm) on the no-disk nodes, its data
+    and checkpoints in the bucket: the tokenizer (a file of the driver's) travels inside
+    the task, so no node reads the driver's path; a rank killed mid-epoch resumes from the
+    bucket's newest checkpoint, every train document used once, the model learns."""
+    import importlib.util
+    import math
+
+    from elastic_ddp.data.scan import read_sample_ids
+
+    example = Path(__file__).resolve().parents[1] / "experiments" / "examples" / "hf_lm"
+    spec = importlib.util.spec_from_file_location("hf_lm_prepare", example / "prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    data = tmp_path / "hf_lm"
+    prepare.prepare(data, max_bytes=100_000)
+    uri = _upload(s3, data, "hf_lm")
+    cfg = Config.load(example / "config.yaml", [
+        f"task.path={example / 'task.py'}:HFCausalLM", f"task.kwargs.tokenizer={data / 'tokenizer.json'}",
+        f"data.train_path={uri}/train", f"data.val_path={uri}/val",
+        f"run.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"run.storage_path={s3.uri('runs')}",
+        "run.experiment_name=tests", "model.kwargs.dim=64", "model.kwargs.layers=1",
+        "batch.global_batch_size=16", "batch.micro_batch_size=8", "train.checkpoint_every_steps=4",
+        "train.log_every_steps=4", "optim.lr=0.005", "optim.warmup_steps=4",
+        "scaling.cpus_per_worker=2", "scaling.torch_threads=1"])
+    diag, ledger = _diag(nodisk_cluster, "hf-lm")
+    marker = nodisk_cluster.shared / f"hf-lm-fired-{uuid.uuid4().hex[:8]}"
+    diag = Diagnostics(ledger_dir=diag.ledger_dir,
+                       fault={"rank": 1, "at_step": 9, "where": "step", "marker": str(marker)})
+    s = train(cfg, diagnostics=diag, progress=False)
+    ids = read_sample_ids(data / "train")
+    print(f"[hf_lm, no shared disk] {s.metrics} steps {s.steps} restarts {s.restarts}")
+    assert marker.exists() and s.restarts == 1 and s.steps == math.ceil(len(ids) / 16)
+    report = audit(ledger, ids, 1)
+    assert report["ok"], format_audit(report)
+    assert [a["resumed_from"] for a in report["attempts"]] == [0, 8]
+    assert s.metrics["val_loss"] < math.log(2048) - 0.6, s.metrics
+    assert any("/checkpoint_step" in k for k in s3.keys("runs/"))
+    assert not (tmp_path / "ray_results").exists()
