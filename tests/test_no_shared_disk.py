@@ -320,3 +320,79 @@ def test_hf_lm_on_object_storage_only(nodisk_cluster, s3, tmp_path):
     assert s.metrics["val_loss"] < math.log(2048) - 0.6, s.metrics
     assert any("/checkpoint_step" in k for k in s3.keys("runs/"))
     assert not (tmp_path / "ray_results").exists()
+
+
+@pytest.mark.slow
+def test_twenty_kills_at_random_points_of_the_upload(nodisk_cluster, digits_data, s3, s3_faults, tmp_path):
+    """20 SIGKILLs, each at a random request of a checkpoint's background upload (a shard,
+    the run state or the manifest, the n-th PUT of the checkpoint with n drawn at random),
+    one per attempt: every restart resumes from a committed checkpoint (none rejected as
+    partial or damaged), the ledger is clean and the final model is the uninterrupted
+    run's."""
+    import random
+
+    from elastic_ddp.checkpoint.export import model_state
+
+    kills = 20
+    job = {"train": {**DIGITS_FAST["train"], "epochs": 6, "checkpoint_every_steps": 5,
+                     "async_checkpoint": True},
+           "scaling": {**DIGITS_FAST["scaling"], "max_failures": kills + 2}}
+
+    def cfg_for(name: str) -> Config:
+        c = _s3_job(s3, digits_data, tmp_path / name, name)
+        raw = c.model_dump(mode="json")
+        raw["train"].update(job["train"])
+        raw["scaling"].update(job["scaling"])
+        return Config.from_dict(raw)
+
+    base_diag, base_ledger = _diag(nodisk_cluster, "base20")
+    baseline = train(cfg_for("base20"), diagnostics=base_diag, progress=False)
+    _assert_ledger_clean(base_ledger, digits_data, epochs=6)
+
+    # Every checkpoint PUT is held 0.2 s, so a kill lands while the upload is under way.
+    s3_faults.add("PUT", r"^runs/kill20/checkpoint_step", "delay", times=None, seconds=0.2)
+    rng = random.Random(0)
+    state = {"ckpt": None, "n": 0, "target": rng.randint(1, 6), "armed_pids": None}
+    killed: list[dict] = []
+    lock = threading.Lock()
+
+    def maybe_kill(seen) -> None:
+        if seen.method != "PUT" or "/checkpoint_step" not in seen.key or not seen.key.startswith("runs/kill20/"):
+            return
+        ckpt = seen.key.split("/")[2]
+        with lock:
+            if len(killed) >= kills:
+                return
+            if ckpt != state["ckpt"]:
+                state.update(ckpt=ckpt, n=0)
+            state["n"] += 1
+            if state["n"] != state["target"]:
+                return
+            workers = _cluster_faults().train_workers()
+            pids = sorted(w["pid"] for w in workers)
+            # One kill per attempt: the group must have been replaced since the last one.
+            if not workers or (killed and set(pids) & set(killed[-1]["group"])):
+                return
+            victim = rng.choice(pids)
+            killed.append({"pid": victim, "key": seen.key, "n": state["n"], "group": pids})
+            state["target"] = rng.randint(1, 6)
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    s3_faults.on_request(lambda seen: threading.Thread(target=maybe_kill, args=(seen,)).start())
+    diag, ledger = _diag(nodisk_cluster, "kill20")
+    s = train(cfg_for("kill20"), diagnostics=diag, progress=False)
+    print(f"{len(killed)} kills at: {[(k['key'].split('/', 2)[2], k['n']) for k in killed]}")
+    assert len(killed) == kills, killed
+    assert s.restarts >= kills
+    assert not [e for e in s.events if e["type"] == "checkpoint_rejected"], s.events
+    report = _assert_ledger_clean(ledger, digits_data, epochs=6)
+    resumed = [a["resumed_from"] for a in report["attempts"][1:]]
+    print(f"resumed from steps {resumed}")
+    assert all(r % 5 == 0 for r in resumed), resumed  # checkpoint steps only
+    got, ref = model_state(s.checkpoint_path), model_state(baseline.checkpoint_path)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.allclose(got[k].float(), ref[k].float(), rtol=1e-5, atol=1e-6), k
