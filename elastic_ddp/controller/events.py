@@ -23,18 +23,19 @@ from elastic_ddp.compat.ray_train import (ControllerCallback, ReplicaGroupCallba
 from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
                                              stops_at_once, stragglers)
 from elastic_ddp.positions import read_position
+from elastic_ddp.errors import ElasticDDPError
 
 EVENTS_ARTIFACT = "events/events.json"
 TIMELINE_ARTIFACT = "events/timeline.json"
 
 
-class DeterministicTrainingError(RuntimeError):
+class DeterministicTrainingError(ElasticDDPError, RuntimeError):
     """The same error (or the same death) at the same step on two attempts in a row, or a
     data/config/checkpoint error: restarting would only spend the failure budget. The
     message names the step, the rank, the phase and the likely cause."""
 
 
-class StopRequested(RuntimeError):
+class StopRequested(ElasticDDPError, RuntimeError):
     """The driver asked the job to stop (its SIGTERM): the checkpoint at the next step
     boundary is committed and the run ends without a restart (``elastic_ddp.notice``)."""
 
