@@ -142,7 +142,7 @@ def test_an_override_tested_on_fewer_releases_is_the_only_one_skipped(digits_dat
 def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digits_data, tmp_path,
                                                                capfd, untested_ray):
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit, format_audit
     from elastic_ddp.run_state import Diagnostics
 
