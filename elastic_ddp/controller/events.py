@@ -244,7 +244,7 @@ class ElasticEvents(UserCallback):
         meta = self.workers.get(rank, {})
         key = (rank, meta.get("pid"))
         if key not in self._dead:
-            from elastic_ddp.controller.failures import death_of
+            from elastic_ddp.compat.ray_errors import death_of
 
             dead = death_of(exc)
             rec: Dict[str, Any] = {}
@@ -273,7 +273,7 @@ class ElasticEvents(UserCallback):
     def _positions(self, pending: Dict[int, Exception]) -> Dict[int, dict]:
         """The last position record of every dead rank in ``pending`` (read on its node),
         with the actor's death time from the GCS as ``t`` (who died first)."""
-        from elastic_ddp.controller.failures import death_of
+        from elastic_ddp.compat.ray_errors import death_of
 
         return {rank: self._dead_position(rank, exc) for rank, exc in pending.items()
                 if death_of(exc) is not None}
