@@ -33,11 +33,16 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+from elastic_ddp.errors import EXIT_BAD_INPUT, ElasticDDPError
+
 Policy = Literal["fixed_global", "uneven", "scale_lr"]
 
 
-class BatchConfigError(ValueError):
+class BatchConfigError(ElasticDDPError, ValueError):
     """The batch settings cannot run at some allowed world size; names the field and fix."""
+
+    exit_code = EXIT_BAD_INPUT
+    kind = "config error"
 
 
 @dataclass(frozen=True)

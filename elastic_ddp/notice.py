@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from elastic_ddp.errors import ElasticDDPError
+
 #: The notice kinds, in the order of their codes in the workers' agreement (0: none).
 SOURCES = ("drain", "sigterm", "stop", "grow")
 
@@ -78,7 +80,7 @@ def request_grow() -> None:
     note("grow")
 
 
-class Preempted(RuntimeError):
+class Preempted(ElasticDDPError, RuntimeError):
     """Raised by every rank after the checkpoint at a notice is committed: the worker
     group ends so that the job restarts (or, for ``stop``, ends) from that checkpoint.
     In ``per_step`` mode (``left``) raised by the noticed replica alone, once it has left

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
 from elastic_ddp.causes import error_origin
+from elastic_ddp.errors import ElasticDDPError
 
 # Error classes (by name: the worker decides, the controller only reads the flag) that no
 # restart can fix: the data, the config, the task or the checkpoint is wrong.
@@ -27,7 +28,7 @@ PHASES = ("set-up", "restore", "data read", "training step", "metrics", "evaluat
           "checkpoint")
 
 
-class RankError(RuntimeError):
+class RankError(ElasticDDPError, RuntimeError):
     """An exception raised on a rank, with where it happened. ``str()`` reads
     ``step 7 (epoch 0, rank 1, evaluation): ValueError: ...`` (the step the rank was
     computing or had just finished). Survives pickling to the controller."""

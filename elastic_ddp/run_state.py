@@ -8,18 +8,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from elastic_ddp.checkpoint import CheckpointError
+from elastic_ddp.errors import ElasticDDPError
 
 if TYPE_CHECKING:
     from elastic_ddp.config import Config
 
 
-class StepError(RuntimeError):
+class StepError(ElasticDDPError, RuntimeError):
     """An exception raised inside a training step, tagged with the step so the controller
     can tell a deterministic error (same step, same message, every attempt) from a
     failure worth a restart."""
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(ElasticDDPError, RuntimeError):
     """``train.max_nonfinite_steps`` consecutive steps had a non-finite gradient."""
 
 

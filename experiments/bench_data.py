@@ -93,7 +93,8 @@ def _config(data: Path, tmp: Path, name: str, steps: int):
 
 def run_elastic(data: Path, tmp: Path, steps: int, kill_at: int) -> dict:
     from elastic_ddp.data.ingest import epoch_order
-    from elastic_ddp.driver.launcher import prepare, train
+    from elastic_ddp import train
+    from elastic_ddp.driver.launcher import prepare
     from elastic_ddp.ledger import audit
     from elastic_ddp.tracking import metric_history, metric_key
 

@@ -63,7 +63,7 @@ def _commits(ledger: Path) -> list[tuple[dict, list[dict]]]:
 def run(tmp: Path, sig: int, step_s: float, epochs: int) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit
     from elastic_ddp.run_state import Diagnostics
 

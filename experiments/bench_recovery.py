@@ -201,7 +201,7 @@ def run_elastic(tmp: Path, mode: str, steps: int, ckpt_every: int, kill_every: f
                 sig: int = signal.SIGKILL, overrides: tuple[str, ...] = ()) -> dict:
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit
 
     cfg = Config.load(ROOT / CONFIG, [

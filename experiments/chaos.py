@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_ddp.config import Config
     from elastic_ddp.data.prepare import prepare_digits
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit, format_audit
 
     out = Path(args.out).resolve()

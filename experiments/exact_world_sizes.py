@@ -106,7 +106,7 @@ def compare(a: dict, b: dict) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -392,7 +392,7 @@ def job_config(args: argparse.Namespace, out: Path, name: str, epochs: int, max_
 def calibrate(args: argparse.Namespace, out: Path, stamp: str) -> float:
     """Steps per second of the uninterrupted job (a 30-step run; the first 5 steps,
     start-up and warm-up, left out)."""
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.run_state import Diagnostics
 
     ledger = out / "ledger" / f"calibrate-{stamp}"
@@ -433,7 +433,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit, format_audit
     from elastic_ddp.run_state import Diagnostics
 

@@ -42,7 +42,7 @@ def main() -> None:
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.models import build_model
     from elastic_ddp.parallel.strategies import zero_memory_bytes
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import digits_config
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 

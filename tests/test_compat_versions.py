@@ -142,7 +142,7 @@ def test_an_override_tested_on_fewer_releases_is_the_only_one_skipped(digits_dat
 def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digits_data, tmp_path,
                                                                capfd, untested_ray):
     from elastic_ddp.data.scan import read_sample_ids
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit, format_audit
     from elastic_ddp.run_state import Diagnostics
 
@@ -184,3 +184,60 @@ def test_the_seam_still_imports_and_runs_where_ray_lacks_the_internals_it_overri
     monkeypatch.delattr(ray_constants, "ENABLE_RAY_CLUSTER")
     with cluster_mode(True):
         assert not hasattr(ray_constants, "ENABLE_RAY_CLUSTER")
+
+
+def test_rays_death_messages_are_read_on_a_tested_ray_only(untested_ray, monkeypatch):
+    # On a release whose message formats were not tested, no cause is read from them.
+    import ray
+
+    from elastic_ddp.compat.ray_errors import how_it_died, where_it_died
+
+    text = ("The actor died unexpectedly before finishing this task. ip: 10.0.0.7 pid: 4242 "
+            "Task was killed due to the node running low on memory.")
+    assert how_it_died(text) == ("the process died", "") and where_it_died(text) == ("", None)
+    monkeypatch.setattr(ray, "__version__", max(TESTED_RAY, key=release_key))
+    assert how_it_died(text)[0].startswith("killed by Ray's memory monitor")
+    assert where_it_died(text) == ("10.0.0.7", 4242)
+
+
+def test_mlflows_scheme_list_is_used_on_a_tested_mlflow_only(monkeypatch):
+    from elastic_ddp.compat.mlflow_store import tracking_store_schemes
+    from elastic_ddp.config import ConfigError
+    from elastic_ddp.driver.preflight import check_tracking_scheme
+
+    assert "sqlite" in tracking_store_schemes()
+    with pytest.raises(ConfigError, match="no tracking store for the scheme 'htp'"):
+        check_tracking_scheme("htp://mlflow:5000")
+    monkeypatch.setattr(versions, "TESTED_MLFLOW", ())
+    assert tracking_store_schemes() is None
+    check_tracking_scheme("htp://mlflow:5000")  # MLflow names it when the run opens
+
+
+def test_torchs_compress_hook_and_its_public_mirror_reduce_alike(tmp_path):
+    # The guard uses torch's private _compress_hook on a tested torch (it exists there);
+    # the mirror that serves elsewhere gives the same gradients (a gloo group of one).
+    import subprocess
+    import sys
+
+    from elastic_ddp.compat import torch_ddp
+
+    assert torch_ddp._PRIVATE is not None, "a tested torch without _compress_hook: extend the guard"
+    code = f"""
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from elastic_ddp.compat import torch_ddp
+dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+grads = []
+for hook in (torch_ddp._PRIVATE, torch_ddp.public_compress_hook):
+    torch.manual_seed(0)
+    m = DDP(torch.nn.Linear(8, 3))
+    def bf16(state, bucket, h=hook):
+        return h(torch.bfloat16, state, bucket)
+    m.register_comm_hook(None, bf16)
+    m(torch.randn(4, 8)).square().sum().backward()
+    grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+assert torch.equal(grads[0], grads[1]), grads
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

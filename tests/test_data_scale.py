@@ -21,7 +21,7 @@ import pytest
 
 from conftest import mlflow_runs
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.tracking import metric_history
 from elastic_ddp.run_state import Diagnostics

@@ -16,7 +16,7 @@ from conftest import alive_train_workers, digits_config
 from test_data_wait_warning import SLOW_TASK
 from test_data_workers import gone_within, processes
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 
 
 def _reading_trainer() -> tuple[int, int, list[int]] | None:

@@ -33,7 +33,7 @@ import pytest
 from conftest import _deep_update, digits_config, mlflow_runs
 from elastic_ddp.checkpoint import MANIFEST, complete_checkpoints
 from elastic_ddp.checkpoint.export import read_run_state
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 from helpers import add_node, max_step, train_ids, wait_until

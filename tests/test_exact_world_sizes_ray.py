@@ -20,7 +20,7 @@ from conftest import digits_config
 from elastic_ddp.checkpoint.dcp_io import load_prefix
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.driver.preflight import job_spec, prepare
 from elastic_ddp.ledger import audit
 from elastic_ddp.run_state import Diagnostics

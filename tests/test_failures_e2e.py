@@ -47,7 +47,7 @@ from helpers import (hold_sqlite_lock, mixed_dataset, sigint_default, sigkilled_
 from elastic_ddp.checkpoint.export import model_state
 from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import TrainingError, train
+from elastic_ddp import TrainingError, train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 

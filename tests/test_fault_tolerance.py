@@ -21,7 +21,7 @@ from conftest import digits_config, mlflow_runs, replay_plain_torch
 from elastic_ddp.checkpoint import checkpoint_step
 from elastic_ddp.config import Config, ConfigError
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 

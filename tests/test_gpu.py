@@ -40,7 +40,7 @@ def gpu_ray_cluster():
 
 def test_digits_on_gpu_uses_nccl(gpu_ray_cluster, digits_data, tmp_path):
     from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.tasks.loading import build_model, load_task
 
     ws = min(2, gpu_ray_cluster)
@@ -80,7 +80,7 @@ def test_use_gpu_false_trains_on_the_cpu_of_a_gpu_machine(gpu_ray_cluster, digit
     CPU over gloo (a task that builds a tensor on the CPU would otherwise meet its batch
     on the GPU)."""
     from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
         "train": {"epochs": 1, "checkpoint_every_steps": 50},

@@ -41,7 +41,11 @@ def copy(tmp_path_factory) -> Path:
     ("controller/events.py", "import torch", "imports neither torch nor MLflow"),
     ("tracking/store.py", "from elastic_ddp.tracking import runs", "No import circle"),
     ("data/scan.py", "from ray._private import services", "Private dependency APIs"),
+    # A private name reached through a module imported by name, not by its dotted path.
+    ("parallel/strategies.py", "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks; "
+     "default_hooks._x", "Private dependency APIs"),
     ("worker/trainer.py", "import mlflow", "MLflow is used by the tracking layer"),
+    ("driver/launcher.py", "import mlflow", "MLflow is used by the tracking layer"),
 ])
 def test_a_broken_rule_breaks_its_contract(copy, module, line, contract):
     path = copy / "elastic_ddp" / module
@@ -55,3 +59,39 @@ def test_a_broken_rule_breaks_its_contract(copy, module, line, contract):
     broken = [ln for ln in out.stdout.splitlines() if ln.endswith("BROKEN")]
     # An upward import is a circle too: the rule's own contract must be among the broken.
     assert any(contract in b for b in broken), out.stdout[-3000:]
+
+
+def test_the_mlflow_contract_lists_every_module_but_tracking_and_compat():
+    import ast
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    listed = next(c for c in contracts if c["name"].startswith("MLflow is used"))["source_modules"]
+    pkg = ROOT / "elastic_ddp"
+    top = {p.stem if p.suffix == ".py" else p.name for p in pkg.iterdir()
+           if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
+    assert sorted(listed) == sorted(f"elastic_ddp.{m}" for m in top - {"tracking", "compat"})
+    # The root package itself (a forbidden contract's source module is a package: listed
+    # as "elastic_ddp" it would take tracking/ in).
+    tree = ast.parse((pkg / "__init__.py").read_text())
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "mlflow" not in roots
+
+
+def test_the_private_api_rule_sees_names_reached_through_an_imported_module(tmp_path):
+    from contracts.private_api import private_uses
+
+    src = tmp_path / "m.py"
+    src.write_text("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
+                   "from ray.util import state as st\n"
+                   "import ray\n"
+                   "def f(manager):\n"
+                   "    default_hooks._compress_hook(1, None, None)\n"
+                   "    st._private_helper\n"
+                   "    default_hooks.fp16_compress_hook\n"
+                   "    ray.__version__\n"
+                   "    return manager._quorum_id\n")
+    assert private_uses(src, "elastic_ddp") == [
+        (5, "torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook"),
+        (6, "ray.util.state._private_helper")]

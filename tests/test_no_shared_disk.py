@@ -33,7 +33,7 @@ import torch
 
 from conftest import digits_config, mlflow_runs
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 from helpers import _cluster_faults, train_ids

@@ -22,7 +22,7 @@ import pytest
 from conftest import alive_train_workers, digits_config, mlflow_runs
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 from helpers import replicas_together, wait_until

@@ -13,7 +13,7 @@ import pytest
 from conftest import digits_config, mlflow_runs, replay_plain_torch
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.run_state import Diagnostics
 
 # Each step at least STEP_S: the survivor is still training when the replacement (a new

@@ -37,7 +37,7 @@ import yaml
 
 from conftest import _deep_update, digits_config, mlflow_runs
 from elastic_ddp.checkpoint.export import model_state
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 from helpers import add_node, ledger_files as _ledger_files, max_step, replicas_together, train_ids, wait_until

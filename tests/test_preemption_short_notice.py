@@ -156,7 +156,7 @@ def test_sigterm_then_sigkill_falls_back_to_the_newest_checkpoint_and_says_so(
     from mlflow.tracking import MlflowClient
 
     from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.ledger import audit, format_audit
     from elastic_ddp.run_state import Diagnostics
 

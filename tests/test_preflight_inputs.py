@@ -106,7 +106,7 @@ def test_a_task_given_to_train_is_checked_too(tmp_path, digits_data):
     import threading
 
     from elastic_ddp.config import Config
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
     from elastic_ddp.tasks.loading import TaskError
     from elastic_ddp.tasks.vision import CNNClassifier
 

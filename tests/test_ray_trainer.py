@@ -136,7 +136,7 @@ def test_a_job_joining_a_running_cluster_starts_its_controller_early_and_kills_i
 
     from elastic_ddp.config import Config
     from elastic_ddp.data.scan import DataError
-    from elastic_ddp.driver.launcher import train
+    from elastic_ddp import train
 
     before = _actor_classes()
     raw = digits_config(digits_data, tmp_path)

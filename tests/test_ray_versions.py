@@ -103,7 +103,7 @@ def _run(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.Completed
 RESUME = """
 import json, sys
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.run_state import Diagnostics
 cfg = Config.load(sys.argv[1], overrides=sys.argv[4:])
 s = train(cfg, progress=False, diagnostics=Diagnostics(

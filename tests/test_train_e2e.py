@@ -30,7 +30,7 @@ import torch
 from conftest import digits_config, mlflow_runs, pycode_config, replay_plain_torch
 from helpers import TASK, user_config, write_task
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.tasks.loading import build_model, load_task
 from elastic_ddp.run_state import Diagnostics
 
@@ -301,7 +301,7 @@ def resize_reference(digits_data, tmp_path_factory):
 ])
 def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_cluster, digits_data,
                                                       tmp_path, strategy, resume_ws):
-    from elastic_ddp.driver.launcher import TrainingError
+    from elastic_ddp import TrainingError
     from elastic_ddp.ledger import audit, format_audit, read_attempts
 
     ref_loss, ref_acc, n_val = resize_reference

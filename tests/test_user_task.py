@@ -15,7 +15,7 @@ from conftest import mlflow_runs
 from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 from helpers import user_config, write_task

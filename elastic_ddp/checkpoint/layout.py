@@ -26,6 +26,8 @@ import json
 import re
 from typing import Any, Optional
 
+from elastic_ddp.errors import EXIT_BAD_INPUT, ElasticDDPError
+
 FORMAT = "elastic-ddp/3"
 LEGACY_FORMAT = "elastic-ddp/2"
 MANIFEST = "manifest.json"
@@ -35,8 +37,11 @@ REJECTED = "rejected.json"
 LEGACY_STATE_FILE = "state.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ElasticDDPError, RuntimeError):
     """A checkpoint that is missing, unreadable, or not written by elastic-ddp."""
+
+    exit_code = EXIT_BAD_INPUT
+    kind = "checkpoint error"
 
 
 class CheckpointCorruptError(CheckpointError):

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from elastic_ddp.checkpoint.layout import CheckpointError
+from elastic_ddp.errors import EXIT_FAILED
 
 #: Files uploaded at once per rank: enough to keep a store's bandwidth busy with the
 #: few shard files a rank writes (one per rank with DCP's default, plus .metadata).
@@ -32,6 +33,8 @@ _CHUNK = 8 << 20
 class CheckpointWriteError(CheckpointError):
     """A checkpoint's write failed (a store error past the file system's retries): the
     checkpoint is not committed; the previous one stays the restart point."""
+
+    exit_code = EXIT_FAILED  # a store's failure, not bad input
 
 
 _STAGING = "elastic-ddp-ckpt-"

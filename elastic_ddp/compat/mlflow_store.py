@@ -8,11 +8,41 @@
   Tested with MLflow 3.10-3.17 (the ``mlflow`` range in pyproject.toml): a schema without
   a table is skipped, and a missing cache attribute is ignored (it only saves a stale
   location in this process).
+- :func:`tracking_store_schemes`: the URI schemes of MLflow's own tracking stores, a copy
+  of what MLflow registers in ``mlflow.tracking._tracking_service.utils``
+  (``_tracking_store_registry``; its Unity Catalog schemes, ``databricks-uc`` and ``uc``,
+  refuse to be one), and those of installed plugins (entry points of
+  ``mlflow.tracking_store``). It buys the refusal of a typo'd ``run.tracking_uri``
+  scheme (``htp://``) before anything starts, without importing MLflow (about a second
+  of the driver's start-up); MLflow itself fails only when the run is opened. Version
+  guard: on an MLflow release of :data:`~elastic_ddp.compat.versions.TESTED_MLFLOW`
+  (the copy is compared with MLflow's registry by
+  ``tests/test_tracking_store_down.py``); on another, None: every scheme passes and
+  MLflow names a bad one itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
+
+# mlflow.tracking._tracking_service.utils registers these (MLflow 3.17).
+MLFLOW_STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https",
+                        "databricks")
+MLFLOW_STORE_PLUGINS = "mlflow.tracking_store"
+
+
+def tracking_store_schemes() -> Optional[list[str]]:
+    """MLflow's tracking store schemes and those of installed plugins; None on an MLflow
+    release the copy was not tested on (see the module's note)."""
+    from importlib.metadata import entry_points
+
+    from elastic_ddp.compat.versions import TESTED_MLFLOW, tested_release
+
+    if not tested_release("mlflow", TESTED_MLFLOW):
+        return None
+    plugins = {e.name for e in entry_points(group=MLFLOW_STORE_PLUGINS)}
+    return [*MLFLOW_STORE_SCHEMES, *sorted(plugins - set(MLFLOW_STORE_SCHEMES))]
 
 
 def anchor_artifacts(db: Path, exp_id: str, current: str, root: str = "mlruns") -> bool:

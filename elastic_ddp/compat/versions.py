@@ -49,11 +49,17 @@ TORCHFT_RAY = "2.55.0"
 # FailureConfig.max_preemption_failures) and on which compat.ray_train's preemption
 # helpers were tested. Elsewhere a notice (node drain, SIGTERM) is handled as a crash.
 PREEMPTION_RAY = ("2.60.0",)
+# The torch and MLflow releases (major.minor) whose private parts compat.torch_ddp and
+# compat.mlflow_store were tested on; elsewhere each takes the fallback its module
+# names (read from the installed package's metadata: neither is imported for it).
+TESTED_TORCH = ("2.13",)
+TESTED_MLFLOW = ("3.17",)
 
 
 @dataclasses.dataclass(frozen=True)
 class Override:
-    """One change elastic-ddp makes to Ray's private parts.
+    """One change elastic-ddp makes to Ray's private parts, or one reading of what Ray
+    has no API for (its error messages, a reserved resource name).
 
     ``key``: what the code asks :meth:`RayPlan.applies`; ``name``: what the warning says
     is skipped; ``buys``: what a job has with it and loses without it; ``tested``: the
@@ -100,6 +106,14 @@ OVERRIDES: tuple[Override, ...] = (
              "commits a checkpoint at the next step boundary (a grow notice), so the grow "
              "recomputes no step (Ray Train restarts it from the last periodic checkpoint)",
              tested=("2.60.0",)),
+    Override("death_messages", "cause of a worker's death read from Ray's message (compat.ray_errors)",
+             "a dead rank's failure says how it died (Ray's memory monitor, its node lost or "
+             "preempted, its exit code, a signal) and on which node and pid; without it, "
+             "\"the process died\" and the worker group's own node and pid"),
+    Override("head_node_resource", "head node by its node:__internal_head__ resource (compat.ray_nodes)",
+             "the job's tracker actor is placed on the head node, which no scale-down "
+             "removes; without it, on the driver's node (a worker node when the driver is "
+             "attached to one)"),
 )
 
 
@@ -168,6 +182,22 @@ def preemption_notice_line(plan: RayPlan) -> Optional[str]:
     return (f"elastic-ddp: Ray {plan.version} has no preemption support elastic-ddp uses "
             f"(Ray {PREEMPTION_RAY[0]}): a node drain or SIGTERM is handled as a crash "
             "(counted in scaling.max_failures)")
+
+
+def minor_release(version: str) -> str:
+    """``"2.13.0+cpu"`` -> ``"2.13"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def tested_release(distribution: str, tested: tuple[str, ...]) -> bool:
+    """Whether the installed ``distribution`` (a PyPI name: ``torch``, ``mlflow``) is a
+    major.minor release of ``tested``; False when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return minor_release(version(distribution)) in tested
+    except PackageNotFoundError:
+        return False
 
 
 _warned: set[str] = set()

@@ -37,6 +37,7 @@ import yaml
 from pydantic import BaseModel
 
 from elastic_ddp.config.errors import ConfigError
+from elastic_ddp.errors import ElasticDDPError
 
 _NULL_TEXT = ("", "null", "~")  # compared lower-cased and stripped
 _SEQUENCES = (list, tuple, set, frozenset)
@@ -44,7 +45,7 @@ _SEQUENCES = (list, tuple, set, frozenset)
 _COMMENT = re.compile(r"(^|\s)#")
 
 
-class _BadValue(ValueError):
+class _BadValue(ElasticDDPError, ValueError):
     """The text does not fit the field's type; the message says what would."""
 
 

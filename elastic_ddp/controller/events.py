@@ -24,18 +24,19 @@ from elastic_ddp.compat.ray_train import (ControllerCallback, ReplicaGroupCallba
 from elastic_ddp.controller.failures import (classify, likely_cause, primary, signature,
                                              stops_at_once, stragglers)
 from elastic_ddp.positions import read_position
+from elastic_ddp.errors import ElasticDDPError
 
 EVENTS_ARTIFACT = "events/events.json"
 TIMELINE_ARTIFACT = "events/timeline.json"
 
 
-class DeterministicTrainingError(RuntimeError):
+class DeterministicTrainingError(ElasticDDPError, RuntimeError):
     """The same error (or the same death) at the same step on two attempts in a row, or a
     data/config/checkpoint error: restarting would only spend the failure budget. The
     message names the step, the rank, the phase and the likely cause."""
 
 
-class StopRequested(RuntimeError):
+class StopRequested(ElasticDDPError, RuntimeError):
     """The driver asked the job to stop (its SIGTERM): the checkpoint at the next step
     boundary is committed and the run ends without a restart (``elastic_ddp.notice``)."""
 
@@ -248,7 +249,7 @@ class ElasticEvents(UserCallback):
         meta = self.workers.get(rank, {})
         key = (rank, meta.get("pid"))
         if key not in self._dead:
-            from elastic_ddp.controller.failures import death_of
+            from elastic_ddp.compat.ray_errors import death_of
 
             dead = death_of(exc)
             rec: Dict[str, Any] = {}
@@ -277,7 +278,7 @@ class ElasticEvents(UserCallback):
     def _positions(self, pending: Dict[int, Exception]) -> Dict[int, dict]:
         """The last position record of every dead rank in ``pending`` (read on its node),
         with the actor's death time from the GCS as ``t`` (who died first)."""
-        from elastic_ddp.controller.failures import death_of
+        from elastic_ddp.compat.ray_errors import death_of
 
         return {rank: self._dead_position(rank, exc) for rank, exc in pending.items()
                 if death_of(exc) is not None}

@@ -7,7 +7,8 @@ Ray Train hands the controller one exception per failed rank. Three kinds reach 
   evaluation, checkpoint) and whether the error is *fatal* (bad data, config or
   checkpoint: no restart can fix it);
 - a dead rank (``RayActorError``, usually inside Ray Train's
-  ``WorkerHealthCheckFailedError``): a process killed by a signal has no Python error at
+  ``WorkerHealthCheckFailedError``; how it died is read from Ray's message in
+  :mod:`elastic_ddp.compat.ray_errors`): a process killed by a signal has no Python error at
   all. Each rank keeps its position in a small file on its node (:class:`Position`,
   ``pwrite`` of one record per phase change); the controller reads the dead process's
   record (:func:`read_position`);
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from elastic_ddp.causes import SHAPE_OR_DTYPE, clip, first_line, says_so, storage_problem
+from elastic_ddp.compat.ray_errors import death_of, how_it_died, where_it_died
 from elastic_ddp.notice import preempted_in
 from elastic_ddp.positions import ANSI_ESCAPE, FATAL_TYPES, RankError, is_fatal
 
@@ -98,39 +100,6 @@ class RankFailure:
         return f"rank {self.rank} failed at {where}: {self.error_type}: {clip(text, 600)}"
 
 
-def death_of(exc: BaseException) -> Optional[BaseException]:
-    """The ``RayActorError`` behind a dead rank's failure, or None for a Python error."""
-    from ray.exceptions import RayActorError
-
-    if isinstance(exc, RayActorError):
-        return exc
-    inner = getattr(exc, "health_check_failure", None)
-    if isinstance(inner, RayActorError):
-        return inner
-    if type(exc).__name__ == "WorkerHealthCheckTimeoutError":
-        return exc
-    return None
-
-
-def _how_it_died(text: str) -> tuple[str, str]:
-    """(what killed the process, the signal) from Ray's death message."""
-    if re.search(r"OutOfMemoryError|memory monitor|low on memory", text):
-        return "killed by Ray's memory monitor (the node ran low on memory)", "SIGKILL"
-    if re.search(r"preempt", text, re.I):
-        return "its node was preempted", ""
-    if re.search(r"node .*(died|terminated|removed)|NodeDiedError|raylet", text, re.I):
-        return "its node was lost", ""
-    if "health check has been hanging" in text:
-        return "stopped answering Ray's health checks (hung or stopped)", ""
-    m = re.search(r"exit(?:ed|s)? with (?:an )?exit code (-?\d+)", text)
-    if m and m.group(1) not in ("0", "2"):
-        return f"the process exited with code {m.group(1)}", ""
-    if re.search(r"connection error code 2|End of file|unexpectedly exits|died unexpectedly", text):
-        return ("killed by a signal: the process vanished without a Python error, as SIGKILL "
-                "leaves it (the kernel OOM killer, `kill -9`) or a native crash"), "SIGKILL"
-    return "the process died", ""
-
-
 def classify(exceptions: Mapping[int, BaseException],
              positions: Optional[Mapping[int, dict]] = None,
              workers: Optional[Mapping[int, dict]] = None) -> list[RankFailure]:
@@ -143,15 +112,13 @@ def classify(exceptions: Mapping[int, BaseException],
         dead = death_of(exc)
         if dead is not None:
             text = str(exc)
-            how, sig = _how_it_died(text)
+            how, sig = how_it_died(text)
             pos = dict((positions or {}).get(rank) or {})
-            m = re.search(r"\bip: (\S+)", text)
-            pm = re.search(r"\bpid: (\d+)", text)
+            ip, pid = where_it_died(text)
             out.append(RankFailure(
                 rank=rank, kind="died", step=pos.get("step"), epoch=pos.get("epoch"),
                 phase=pos.get("phase"), error_type=type(dead).__name__, message=text,
-                node=meta.get("node_ip") or (m.group(1) if m else ""),
-                pid=meta.get("pid") or (int(pm.group(1)) if pm else None),
+                node=meta.get("node_ip") or ip, pid=meta.get("pid") or pid,
                 signal=sig, how=how, t=pos.get("t")))
             continue
         text = str(exc)

@@ -11,10 +11,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from elastic_ddp.paths import is_uri, uri_to_filesystem
+from elastic_ddp.errors import EXIT_BAD_INPUT, ElasticDDPError
 
 
-class DataError(ValueError):
+class DataError(ElasticDDPError, ValueError):
     """A data set that cannot be trained on. The message names the file, the column and the fix."""
+
+    exit_code = EXIT_BAD_INPUT
+    kind = "data error"
 
 
 #: What names a data set's path when the caller does not say which split it is.

@@ -16,6 +16,8 @@ import json
 import sys
 from typing import Any, Optional
 
+from elastic_ddp.errors import ElasticDDPError
+
 EXIT_CODES = """\
 exit codes:
   0    ok
@@ -194,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _main(args) -> int:
-    from elastic_ddp.config import Config, ConfigError
+    from elastic_ddp.config import Config
 
     try:
         if args.cmd == "prepare":
@@ -218,39 +220,27 @@ def _main(args) -> int:
         if args.cmd == "sweep":
             return _sweep(cfg, args)
         return _train(cfg, args)
-    except ConfigError as e:
-        from elastic_ddp.driver.lease import RunBusyError
-        from elastic_ddp.driver.resume import ResumeError
-        from elastic_ddp.tasks.loading import TaskError
-
-        kind = ("task error" if isinstance(e, TaskError) else
-                "run in use" if isinstance(e, RunBusyError) else
-                "resume refused" if isinstance(e, ResumeError) else "config error")
-        print(f"elastic-ddp: {kind}: {e}", file=sys.stderr)
-        return 2
+    except ElasticDDPError as e:
+        # One line and the error's own exit code (elastic_ddp.errors): bad input 2, a
+        # failed job or an unreachable cluster 1.
+        print(e.cli_line() + _ray_job_hint(args, e), file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt as e:
         # The launcher has already closed the MLflow run as KILLED; checkpoints stay.
-        from elastic_ddp.driver.stop import INTERRUPTED_BEFORE_RUN, JobInterrupted
+        from elastic_ddp.driver.stop import EXIT_INTERRUPTED, INTERRUPTED_BEFORE_RUN, JobInterrupted
 
         msg = (f"interrupted{_SWEEP_STOPPED}" if args.cmd == "sweep" else
                str(e) if isinstance(e, JobInterrupted) else
                INTERRUPTED_BEFORE_RUN if args.cmd == "train" else "interrupted")
         print(f"elastic-ddp: {msg}", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BaseException as e:
-        from elastic_ddp.driver.stop import EXIT_STOPPED, JobStopped
+        from elastic_ddp.driver.stop import JobStopped
 
         if isinstance(e, JobStopped):  # SIGTERM: a BaseException, as Ctrl-C's is
             msg = f"stopped on SIGTERM{_SWEEP_STOPPED}" if args.cmd == "sweep" else str(e)
             print(f"elastic-ddp: {msg}", file=sys.stderr)
-            return EXIT_STOPPED
-        if not isinstance(e, Exception):
-            raise
-        from elastic_ddp.data.scan import DataError
-
-        if isinstance(e, DataError):  # known input errors: exit 2
-            print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)
-            return 2
+            return e.exit_code
         raise
 
 
@@ -277,13 +267,16 @@ def _route_library_logs(ray_logs: bool) -> None:
     logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())
 
 
-def _ray_job_hint(args) -> str:
+def _ray_job_hint(args, e: ElasticDDPError) -> str:
     """Inside a Ray job (the job supervisor sets RAY_JOB_CONFIG_JSON_ENV_VAR) relative data
     paths resolve in the job's uploaded copy of the working dir, which holds no data/:
-    "prepare the data" would be the wrong fix there."""
+    "prepare the data" would be the wrong fix there. Added to a data error of ``train``."""
     import os
 
-    if not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or args.cmd != "train":
+    from elastic_ddp.data.listing import DataError
+
+    if (not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or args.cmd != "train"
+            or not isinstance(e, DataError)):
         return ""
     return (f"\nnote: this is a Ray job running in its uploaded copy of the working dir "
             f"({os.getcwd()}), which holds no data/ (.rayignore); relative data paths resolve "
@@ -339,14 +332,10 @@ def _prepare_into(args, prepare_digits, prepare_pycode) -> int:
 
 
 def _export(args) -> int:
-    from elastic_ddp.checkpoint import CheckpointError
     from elastic_ddp.checkpoint.export import export
 
-    try:
+    try:  # a CheckpointError: exit 2, in _main
         out = export(args.checkpoint, args.out, verify=not args.no_verify)
-    except CheckpointError as e:
-        print(f"elastic-ddp: checkpoint error: {e}", file=sys.stderr)
-        return 2
     except ModuleNotFoundError as e:
         if e.name != "safetensors":
             raise
@@ -358,28 +347,21 @@ def _export(args) -> int:
 
 
 def _drain_node(args) -> int:
-    from elastic_ddp.driver.drain import DrainError, drain
+    from elastic_ddp.driver.drain import drain
 
-    try:
-        drain(args.deadline, node_id=args.node_id, wait=not args.no_wait)
-    except DrainError as e:
-        print(f"elastic-ddp: drain-node: {e}", file=sys.stderr)
-        return 2
+    drain(args.deadline, node_id=args.node_id, wait=not args.no_wait)  # DrainError: exit 2
     return 0
 
 
 def _submit(args) -> int:
     import os
 
-    from elastic_ddp.driver.submit import DEFAULT_ADDRESS, SubmitError, submit
+    from elastic_ddp.driver.submit import DEFAULT_ADDRESS, submit
 
     address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or DEFAULT_ADDRESS
-    try:
-        return submit(args.config, args.overrides, address, args.runtime_env, wait=args.wait,
-                      submission_id=args.submission_id, allow_local_paths=args.allow_local_paths)
-    except SubmitError as e:
-        print(f"elastic-ddp: submit failed: {e}", file=sys.stderr)
-        return 1
+    # SubmitError: exit 1, in _main
+    return submit(args.config, args.overrides, address, args.runtime_env, wait=args.wait,
+                  submission_id=args.submission_id, allow_local_paths=args.allow_local_paths)
 
 
 def _fitted_partitions(cfg):
@@ -458,16 +440,11 @@ def _set_text(value: Any) -> str:
 
 
 def _sweep(cfg, args) -> int:
-    from elastic_ddp.driver.launcher import TrainingError
     from elastic_ddp.driver.sweep import parse_world_sizes, sweep
 
     world_sizes = parse_world_sizes(args.world_sizes)  # ConfigError (exit 2) before printing
     print("\n".join(config_lines(cfg, args.verbose)), flush=True)
-    try:
-        result = sweep(cfg, world_sizes, progress=args.progress, out_dir=args.out)
-    except TrainingError as e:
-        print(f"elastic-ddp: {e}", file=sys.stderr)
-        return 1
+    result = sweep(cfg, world_sizes, progress=args.progress, out_dir=args.out)  # TrainingError: exit 1
     print("\n=== elastic-ddp sweep ===")
     print(result.table)
     print(f"parent MLflow run: {result.parent_run_id} at {result.tracking_uri}; "
@@ -478,19 +455,15 @@ def _sweep(cfg, args) -> int:
 def _train(cfg, args) -> int:
     from dataclasses import asdict
 
-    from elastic_ddp.driver.launcher import TrainingError, process_start_time, train
+    from elastic_ddp.driver.launcher import process_start_time, train
     from elastic_ddp.driver.report import format_summary
 
     def show_config(c) -> None:  # once the task and the data passed their checks
         print("\n".join(config_lines(c, args.verbose)), flush=True)
 
-    try:
-        summary = train(cfg, progress=not args.no_progress, command_start=process_start_time(),
-                        on_validated=show_config)
-    except TrainingError as e:
-        print(f"elastic-ddp: {e}", file=sys.stderr)
-        # No checkpoint of the run verifies: bad input on storage, refused as such.
-        return 2 if "CheckpointCorruptError" in str(e) else 1
+    # TrainingError: exit 1 (2 when no checkpoint of the run verifies), in _main
+    summary = train(cfg, progress=not args.no_progress, command_start=process_start_time(),
+                    on_validated=show_config)
     if args.json:
         args.document.emit(json.dumps(asdict(summary), indent=1, default=str))
     else:

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from elastic_ddp.errors import EXIT_BAD_INPUT, ElasticDDPError
+
 #: The process title of a Ray Train worker (Ray sets ``ray::<ActorClass>[.<method>]``).
 TRAIN_WORKER_TITLE = "ray::RayTrainWorker"
 #: Seconds ``ray drain-node`` may take to be accepted by the GCS.
@@ -41,8 +43,11 @@ DRAIN_REQUEST_TIMEOUT_S = 30.0
 POLL_S = 0.5
 
 
-class DrainError(Exception):
+class DrainError(ElasticDDPError):
     """The node could not be found or its drain was not accepted (exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+    kind = "drain-node"
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,20 @@ from elastic_ddp.run_state import Diagnostics
 
 from elastic_ddp.tracking.history import resume_event
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG, RunOpener, run_dir_exists  # noqa: F401 - re-exported
+from elastic_ddp.errors import EXIT_BAD_INPUT, ElasticDDPError
 
 
-class TrainingError(RuntimeError):
+class TrainingError(ElasticDDPError, RuntimeError):
     """The job failed after its restart budget, or on a deterministic error. The MLflow
-    run is closed as FAILED with the error as a tag; the last checkpoint is kept."""
+    run is closed as FAILED with the error as a tag; the last checkpoint is kept.
+
+    ``exit_code`` is 1, or 2 when no checkpoint of the run verifies (a
+    ``CheckpointCorruptError`` on the workers: bad input on storage, refused as such)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        if "CheckpointCorruptError" in message:
+            self.exit_code = EXIT_BAD_INPUT
 
 
 _env_written: dict[str, str] = {}

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from elastic_ddp.config import ConfigError
 from elastic_ddp.background import start_deferring_signals
+from elastic_ddp.errors import ElasticDDPError
 
 HEARTBEAT_S = 5.0
 STALE_S = 30.0
@@ -47,6 +48,8 @@ _RECORD_BYTES = 1024
 class RunBusyError(ConfigError):
     """Another live job holds the run's lease; the message names its host, pid and start
     and the fix (the CLI's exit 2)."""
+
+    kind = "run in use"
 
 
 def _iso(t: float) -> str:
@@ -326,7 +329,7 @@ def _holder_exited(rec: dict) -> bool:
     return start is not None and rec.get("pid_start") is not None and start != rec["pid_start"]
 
 
-class _Lost(Exception):
+class _Lost(ElasticDDPError):
     """The record on S3 is no longer the version this job wrote: taken over."""
 
 

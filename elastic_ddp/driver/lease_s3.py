@@ -24,13 +24,15 @@ import threading
 from typing import Optional
 from urllib.parse import parse_qs, urlsplit
 
+from elastic_ddp.errors import ElasticDDPError
+
 #: Seconds to connect / to wait for an answer, per attempt; attempts per request.
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 10.0
 MAX_ATTEMPTS = 4
 
 
-class LeaseStoreError(OSError):
+class LeaseStoreError(ElasticDDPError, OSError):
     """A request to the object store failed (not a failed condition): one line naming the
     bucket, the key and the store's error."""
 

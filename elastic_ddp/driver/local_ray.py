@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from elastic_ddp.compat.ray_local import RAY_INIT_LOGGER
+from elastic_ddp.errors import ElasticDDPError
 
 LOOPBACK = "127.0.0.1"
 # Ray's single-machine mode: with it off (the default on Linux) ray.init and `ray start`
@@ -190,7 +191,7 @@ def ray_start_on_loopback(argv: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------- private state
-class PrivateDirError(ValueError):
+class PrivateDirError(ElasticDDPError, ValueError):
     """A directory for a cluster's token and state that another user could control."""
 
 

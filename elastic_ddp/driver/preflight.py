@@ -38,14 +38,6 @@ _STORE_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "ms
 STORE_CONNECT_TIMEOUT_S = 5.0
 
 
-# The schemes of MLflow's own tracking stores (mlflow.tracking._tracking_service.utils
-# registers them; its Unity Catalog schemes, databricks-uc and uc, refuse to be one);
-# plugins add theirs as entry points of this group. A URI without a scheme is a path.
-MLFLOW_STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https",
-                        "databricks")
-MLFLOW_STORE_PLUGINS = "mlflow.tracking_store"
-
-
 def tracking_scheme(uri: str) -> str:
     """The store kind of a tracking URI as MLflow reads it: the URL's scheme, lower
     case, without a database driver (``postgresql+psycopg2`` -> ``postgresql``); ""
@@ -61,12 +53,13 @@ def tracking_scheme(uri: str) -> str:
     return scheme.split("+", 1)[0].lower()
 
 
-def accepted_schemes() -> list[str]:
-    """MLflow's tracking store schemes and those of installed plugins."""
-    from importlib.metadata import entry_points
+def accepted_schemes() -> Optional[list[str]]:
+    """MLflow's tracking store schemes and those of installed plugins; None where the
+    installed MLflow is not a release the list was tested on (every scheme passes)
+    (:func:`elastic_ddp.compat.mlflow_store.tracking_store_schemes`)."""
+    from elastic_ddp.compat.mlflow_store import tracking_store_schemes
 
-    return [*MLFLOW_STORE_SCHEMES, *sorted({e.name for e in entry_points(group=MLFLOW_STORE_PLUGINS)}
-                                            - set(MLFLOW_STORE_SCHEMES))]
+    return tracking_store_schemes()
 
 
 def check_tracking_scheme(uri: str, field: str = "run.tracking_uri") -> None:
@@ -78,11 +71,11 @@ def check_tracking_scheme(uri: str, field: str = "run.tracking_uri") -> None:
     """
     from elastic_ddp.config import ConfigError
 
-    scheme = tracking_scheme(uri)
-    if scheme and scheme not in accepted_schemes():
+    scheme, accepted = tracking_scheme(uri), accepted_schemes()
+    if scheme and accepted is not None and scheme not in accepted:
         raise ConfigError(
             f"{field}={uri!r}: MLflow has no tracking store for the scheme {scheme!r}; use "
-            f"one of {', '.join(s + ':' for s in accepted_schemes())} (e.g. "
+            f"one of {', '.join(s + ':' for s in accepted)} (e.g. "
             "http://127.0.0.1:5000, sqlite:////abs/path/mlflow.db), or a directory path")
 
 

@@ -54,6 +54,8 @@ class ResumeError(ConfigError):
     the config or the model differs where a resume must keep it. Nothing was started or
     changed: the run stays resumable with its own config."""
 
+    kind = "resume refused"
+
 
 @dataclass
 class ResumeCheck:

@@ -24,6 +24,8 @@ from elastic_ddp.background import start_deferring_signals
 #: The exit code of a job stopped by SIGTERM at a checkpoint (128 + SIGTERM, as a shell
 #: reports a process ended by that signal).
 EXIT_STOPPED = 143
+#: The exit code of a job interrupted by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
 
 
 class JobStopped(BaseException):
@@ -33,7 +35,10 @@ class JobStopped(BaseException):
     A ``BaseException``, as ``KeyboardInterrupt`` is: raised in the main thread wherever
     it is (:class:`EarlySignals`), it must pass every ``except Exception`` on its way out
     (the user's task module being imported, the task's dry run, a library call) instead
-    of being reported as that code's error."""
+    of being reported as that code's error. Not an
+    :class:`~elastic_ddp.errors.ElasticDDPError` for that reason."""
+
+    exit_code = EXIT_STOPPED
 
 
 class SigtermStop:
@@ -98,7 +103,11 @@ class SigtermStop:
 
 class JobInterrupted(KeyboardInterrupt):
     """Ctrl-C (or a second SIGTERM) after the job's MLflow run was opened: the run is
-    KILLED, its checkpoints are kept; the message names the run and how to resume."""
+    KILLED, its checkpoints are kept; the message names the run and how to resume. A
+    ``KeyboardInterrupt``, not an :class:`~elastic_ddp.errors.ElasticDDPError`, so that
+    it passes every ``except Exception``."""
+
+    exit_code = EXIT_INTERRUPTED
 
     @classmethod
     def of_run(cls, run_id: str, resume: bool) -> "JobInterrupted":

@@ -56,6 +56,7 @@ from elastic_ddp.driver.submit_checks import (CLUSTER_MLFLOW_FIX, PATH_FIELDS, S
                                        cleartext_token_warning, effective_tracking_uri,
                                        has_credentials, is_local_address, is_uri,
                                        local_only_settings, yaml_value)
+from elastic_ddp.errors import ElasticDDPError
 
 __all__ = ["Submission", "SubmitError", "auth_headers", "build_entrypoint", "cleartext_token_warning",
            "has_credentials", "is_local_address", "load_runtime_env", "local_only_settings",
@@ -66,8 +67,10 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class SubmitError(RuntimeError):
+class SubmitError(ElasticDDPError, RuntimeError):
     """The job could not be submitted (unreachable cluster, refused token, bad env)."""
+
+    kind = "submit failed"
 
 
 def auth_headers() -> dict[str, str]:

@@ -10,8 +10,10 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from elastic_ddp.errors import ElasticDDPError
 
-class LedgerError(RuntimeError):
+
+class LedgerError(ElasticDDPError, RuntimeError):
     """A ledger directory that cannot be audited: missing, empty, or a malformed file."""
 
 

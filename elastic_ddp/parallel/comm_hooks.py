@@ -30,10 +30,11 @@ def allreduce_sum(state, bucket):
 def bf16_compress(state, bucket):
     """``default_hooks.bf16_compress_hook`` under another name: DDP refuses that function
     by name unless CUDA + NCCL >= 2.10, while gloo all-reduces bf16 on CPUs too. Halves
-    the all-reduce bytes; the sum is taken in bf16 (8-bit mantissa) then cast back."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    the all-reduce bytes; the sum is taken in bf16 (8-bit mantissa) then cast back
+    (``elastic_ddp.compat.torch_ddp``: torch's own hook body, version-guarded)."""
+    from elastic_ddp.compat.torch_ddp import compress_hook
 
-    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
+    return compress_hook(torch.bfloat16, state, bucket)
 
 
 def powersgd_state(state) -> dict[str, Any]:

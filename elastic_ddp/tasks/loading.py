@@ -32,6 +32,8 @@ class TaskError(ConfigError):
     """The task cannot run: a bad import path, a missing hook, kwargs it does not take, or
     a loss of the wrong shape. Names the config field and the fix (the CLI exits 2)."""
 
+    kind = "task error"
+
 
 def resolve_import(spec: str, field: str) -> Any:
     """``"pkg.mod:Attr"`` or ``"file.py:Attr"`` -> the object.

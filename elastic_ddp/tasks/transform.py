@@ -8,11 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from elastic_ddp.tasks.protocol import Task, TransformContext
+from elastic_ddp.errors import ElasticDDPError
 
 SEQ = "_edp_seq"  # bookkeeping column: which read item a row came from
 
 
-class TransformError(ValueError):
+class TransformError(ElasticDDPError, ValueError):
     """The task's transform broke its contract (not a dict, or not one row per input row).
     Fatal: the same rows fail the same way on every attempt."""
 

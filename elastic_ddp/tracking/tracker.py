@@ -361,6 +361,12 @@ def start_tracker(uri: str, run_id: Optional[str] = None, attempts: Optional[dic
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from elastic_ddp.compat.ray_nodes import head_node_id
+
+    # On the head node: its loss ends the cluster anyway, while any worker node may be
+    # removed mid-job. The driver's own node is not enough: a driver connected to a
+    # multi-node cluster on one machine (``ray.cluster_utils``, ``ray start`` several
+    # times) may be attached to a worker node's raylet.
     cls = ray.remote(num_cpus=0, max_concurrency=8)(JobTracker)
     return cls.options(
         name=f"elastic-ddp-tracker-{run_id or uuid.uuid4().hex}", get_if_exists=True,
@@ -368,20 +374,6 @@ def start_tracker(uri: str, run_id: Optional[str] = None, attempts: Optional[dic
         # worker processes were busy, and removing that node failed the job.
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
     ).remote(uri, run_id, **(attempts or {}) if run_id else {})
-
-
-def head_node_id() -> str:
-    """The Ray head node's id (the ``node:__internal_head__`` resource), else this
-    process's node. The tracker lives there: the head's loss ends the cluster anyway,
-    while any worker node may be removed mid-job. The driver's own node is not enough:
-    a driver connected to a multi-node cluster on one machine (``ray.cluster_utils``,
-    ``ray start`` several times) may be attached to a worker node's raylet."""
-    import ray
-
-    for n in ray.nodes():
-        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
-            return n["NodeID"]
-    return ray.get_runtime_context().get_node_id()
 
 
 def attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from typing import Callable, Optional
 import torch
 
 from elastic_ddp.worker.roles import PerStepRoles
+from elastic_ddp.errors import ElasticDDPError
 
 # Lighthouse settings: the survivors' longest gap is the heartbeat timeout
 # (5 s by default, 0.6-0.8 s at 500 ms); one live replica may form a quorum.
@@ -277,7 +278,7 @@ class ReplicaGroup:
     _shut = False
 
 
-class RunOver(Exception):
+class RunOver(ElasticDDPError):
     """A replica found the run finished by another (the done marker) once it was in a
     quorum: it ends without training (``PerStepFaultTolerance.fit`` returns)."""
 

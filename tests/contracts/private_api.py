@@ -5,9 +5,13 @@ import-linter's own contracts see an external package only as its top-level name
 (``ray``, never ``ray._private``), so this contract reads the source: an ``import`` or
 ``from ... import`` of a dotted name with a component that starts with ``_`` (``ray._private``,
 ``ray.train.v2._internal``, ``from torch.nn.modules.batchnorm import _BatchNorm``), or an
-attribute chain rooted at an imported dependency with such a component
-(``ray._private.worker``, ``manager._quorum_id`` is not caught: only names reachable from
-a module), in any module of ``source_package`` outside ``allowed_modules``.
+attribute chain with such a component rooted at a name an import binds: a module
+(``import ray; ray._private.worker``) or a name taken from one (``from
+torch.distributed.algorithms.ddp_comm_hooks import default_hooks;
+default_hooks._compress_hook``, ``from x import Cls; Cls._attr``), in any module of
+``source_package`` outside ``allowed_modules``. Not caught: a private attribute of an
+object the code made or was given (``manager._quorum_id``), since only names reachable
+from an import are the dependency's.
 
 Configured in pyproject.toml (``[tool.importlinter] contract_types``) and run by
 ``lint-imports`` (tests/test_import_contracts.py).
@@ -31,13 +35,16 @@ def private_uses(path: Path, own: str) -> list[tuple[int, str]]:
     """(line, dotted name) of every private dependency API ``path`` imports or reaches."""
     tree = ast.parse(path.read_text(), str(path))
     out: list[tuple[int, str]] = []
-    roots: set[str] = set()
+    roots: dict[str, str] = {}  # a name an import binds -> the dependency's dotted name
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] in (own, "__future__"):
                     continue
-                roots.add(a.asname or a.name.split(".")[0])
+                if a.asname:
+                    roots[a.asname] = a.name
+                else:
+                    roots[a.name.split(".")[0]] = a.name.split(".")[0]
                 if _private(a.name):
                     out.append((node.lineno, a.name))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -45,6 +52,8 @@ def private_uses(path: Path, own: str) -> list[tuple[int, str]]:
                 continue
             for a in node.names:
                 full = f"{node.module}.{a.name}"
+                if a.name != "*":
+                    roots[a.asname or a.name] = full
                 if _private(full):
                     out.append((node.lineno, full))
     for node in ast.walk(tree):
@@ -54,7 +63,7 @@ def private_uses(path: Path, own: str) -> list[tuple[int, str]]:
                 parts.append(cur.attr)
                 cur = cur.value
             if isinstance(cur, ast.Name) and cur.id in roots:
-                dotted = ".".join([cur.id, *reversed(parts)])
+                dotted = ".".join([roots[cur.id], *reversed(parts)])
                 if _private(dotted) and (node.lineno, dotted) not in out:
                     out.append((node.lineno, dotted))
     # An attribute chain is also seen by its prefixes: keep the longest per line.
