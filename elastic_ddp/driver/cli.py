@@ -229,7 +229,11 @@ def _main(args) -> int:
         if not isinstance(e, Exception):
             raise
         from elastic_ddp.data.scan import DataError
+        from elastic_ddp.fencing import EXIT_TAKEN_OVER, FencedError
 
+        if isinstance(e, FencedError):  # another job took the run over: one line
+            print(f"elastic-ddp: {e}", file=sys.stderr)
+            return EXIT_TAKEN_OVER
         if isinstance(e, DataError):  # known input errors: exit 2
             print(f"elastic-ddp: data error: {e}{_ray_job_hint(args)}", file=sys.stderr)
             return 2
