@@ -430,11 +430,12 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
 
 def _interrupt_main(_record: dict) -> None:
     """The lease's heartbeat found the run taken over: the driver's main thread gets a
-    ``KeyboardInterrupt`` wherever it waits (``trainer.fit()``), which the launcher turns
+    SIGINT, so a ``KeyboardInterrupt`` wherever it waits (``trainer.fit()``), which the launcher turns
     into :class:`FencedError` (:func:`_raise_if_fenced`) without writing to the run."""
-    import _thread
+    import signal
+    import threading
 
-    _thread.interrupt_main()
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def _raise_if_fenced(lease: RunLease, opener: RunOpener, tracker=None) -> None:
