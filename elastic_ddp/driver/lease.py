@@ -23,6 +23,14 @@ Exclusive, so two jobs started together cannot both get it:
   record back is refused; a race inside that moment is not excluded (one warning line
   says so).
 
+The record's ``generation`` is the run's fencing token (:mod:`elastic_ddp.fencing`):
+larger with every acquisition, handed to the job's workers, tracker and MLflow helper,
+which read the record before they write to the run and stop once it is another job's.
+The heartbeat finds a takeover too and calls ``on_lost`` (the driver then stops without
+writing to the run; ``elastic-ddp train`` exits 4). The staleness limit is
+``ELASTIC_DDP_LEASE_STALE_S`` seconds (default 30; every job of a run should see the
+same), the heartbeat a sixth of it, at most 5 s.
+
 What it costs: one small write every few seconds for the job's length.
 """
 
