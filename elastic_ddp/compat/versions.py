@@ -48,6 +48,9 @@ TORCHFT_RAY = "2.55.0"
 # FailureConfig.max_preemption_failures) and on which compat.ray_train's preemption
 # helpers were tested. Elsewhere a notice (node drain, SIGTERM) is handled as a crash.
 PREEMPTION_RAY = ("2.60.0",)
+# The releases whose Ray Train checkpoint-manager snapshot (its format, the deleting
+# helper its pruning calls) compat.ray_snapshot was tested on; elsewhere it does nothing.
+SNAPSHOT_RAY = ("2.60.0",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -365,6 +365,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     try:
         resumed = opened["resumed"]
         cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
+        _drop_missing_checkpoints(storage, cfg.run.name, tracker)
         tracker.bind.remote(run_id, **opened["attempts"], history=opened["history"],
                             data_wait_given=opened["data_wait_given"], fence=fence)
         if resumed:  # its recovery: seconds to this submission's first step, steps recomputed
@@ -452,6 +453,28 @@ def _raise_if_fenced(lease: RunLease, opener: RunOpener, tracker=None) -> None:
     if tracker is not None:
         _kill(None, tracker)
     raise FencedError(taken_over_line(lease.name, taken)) from None
+
+
+def _drop_missing_checkpoints(storage: str, ray_run_name: str, tracker) -> None:
+    """A resumed run whose Ray Train snapshot lists checkpoints that are gone or
+    incomplete (``compat.ray_snapshot``): they are taken off the list, so that Ray Train's
+    controller neither fails on them at its start nor prunes them; one line and a
+    ``checkpoints_unlisted`` event name them."""
+    from elastic_ddp.checkpoint.layout import run_dir
+    from elastic_ddp.compat.ray_snapshot import drop_missing_checkpoints
+
+    try:
+        fs, base = run_dir(storage, ray_run_name)
+        gone = drop_missing_checkpoints(fs, base)
+    except OSError as e:  # the snapshot is Ray Train's to judge then
+        print(f"elastic-ddp: warning: Ray Train's checkpoint list of run {ray_run_name!r} "
+              f"could not be checked: {e}", flush=True)
+        return
+    if gone:
+        print(f"elastic-ddp: run {ray_run_name!r}: checkpoint{'s' * (len(gone) != 1)} "
+              f"{', '.join(gone)} listed by Ray Train but gone or incomplete: taken off its "
+              "list (the newest complete one is resumed from)", flush=True)
+        tracker.event.remote({"type": "checkpoints_unlisted", "t": time.time(), "checkpoints": gone})
 
 
 def _raise_interrupted(e: BaseException, run_id: str, cfg: Config) -> None:
