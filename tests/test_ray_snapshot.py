@@ -81,3 +81,61 @@ def test_ray_trains_pruning_skips_a_listed_directory_that_is_gone(tmp_path, caps
         assert not (tmp_path / "there").exists()
     finally:
         cm.delete_fs_path = original
+
+
+@pytest.mark.ray
+@pytest.mark.slow  # a job killed, then resumed: about 2 minutes
+def test_a_run_whose_listed_checkpoint_was_removed_resumes_from_the_newest_left(tmp_path, digits_data):
+    """The CLI as a user runs it: a job killed after some checkpoints, the newest one that
+    Ray Train lists removed (a cleanup, another job's pruning); the same command resumes
+    from the newest left, saying which it took off the list, and finishes (Ray Train alone
+    fails its controller on the snapshot: exit 1)."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import yaml
+
+    from conftest import digits_config, mlflow_runs
+
+    raw = digits_config(digits_data, tmp_path, {
+        "scaling": {"min_workers": 1, "max_workers": 1},
+        "train": {"epochs": 1, "max_steps": 200, "checkpoint_every_steps": 2, "log_every_steps": 2},
+        "run": {"name": "listed"}})
+    raw["data"]["val_path"] = None
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"]
+    run = tmp_path / "ray_results" / "listed"
+    a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+
+    def listed() -> list[str]:
+        try:
+            state = json.loads((run / SNAPSHOT).read_text())
+        except (OSError, ValueError):
+            return []
+        return [r["checkpoint_dir_name"] for r in state["checkpoint_results"]]
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(listed()) < 2:
+        time.sleep(0.2)
+    a.send_signal(signal.SIGKILL)
+    a.communicate()
+    names = listed()
+    assert len(names) >= 2, "no two checkpoints listed before the kill"
+    time.sleep(1)
+    names = listed()
+    shutil.rmtree(run / names[-1])
+    b = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert (f"checkpoint {names[-1]} listed by Ray Train but gone or incomplete: taken off its "
+            "list") in b.stdout, b.stdout[-3000:]
+    assert "(resumed)" in b.stdout
+    runs = mlflow_runs(tmp_path)
+    assert [r.info.status for r in runs] == ["FINISHED"], [r.info.status for r in runs]
