@@ -60,6 +60,10 @@ def _iso(t: float) -> str:
 
 def taken_over_line(run_name: str, rec: dict) -> str:
     """The one line of a fenced job: which job took run ``run_name`` over and when."""
+    if rec.get("removed"):  # the heartbeat found no record at all
+        return (f"run {run_name!r} lost its lease while this job was not heartbeating (paused or "
+                "cut off): its record was removed (another job took the run over and ended, or "
+                "it was deleted); this job stopped without writing to the run")
     when = rec.get("since")
     return (f"run {run_name!r} was taken over by another job (host {rec.get('host', '?')}, pid "
             f"{rec.get('pid', '?')}, at {_iso(float(when)) if when else '?'}, lease generation "

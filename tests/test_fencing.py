@@ -190,3 +190,20 @@ def test_a_lease_without_a_record_or_unreadable_is_not_taken_for_a_loss(tmp_path
     fence = Fence(str(tmp_path / "nowhere"), RUN, {"generation": 5, "host": "h", "pid": 1})
     assert fence.lost() is None
     fence.check("anything")
+
+
+def test_a_lease_record_removed_under_the_job_fences_it_with_a_line_that_says_so(tmp_path, monkeypatch):
+    from elastic_ddp.driver import lease as lease_module
+    from elastic_ddp.fencing import taken_over_line
+
+    monkeypatch.setattr(lease_module, "HEARTBEAT_S", 0.2)
+    a = RunLease(str(tmp_path), RUN).acquire()
+    seen = []
+    a.on_lost = seen.append
+    os.unlink(lease_location(str(tmp_path), RUN)[1])
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert seen == [{"removed": True}] and a.lost() == {"removed": True}
+    assert taken_over_line(RUN, a.lost()).startswith("run 'fenced' lost its lease while this job")
+    a.release()

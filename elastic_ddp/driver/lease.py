@@ -341,7 +341,7 @@ class RunLease:
             rec = self._read()
         except OSError:
             rec = None
-        self.taken_by = self.taken_by or rec or {"host": "?", "pid": "?", "generation": "?"}
+        self.taken_by = self.taken_by or rec or {"removed": True}
         if self.on_lost is not None:
             self.on_lost(self.taken_by)
 
