@@ -22,7 +22,9 @@ from elastic_ddp.errors import ElasticDDPError
 # Error classes (by name: the worker decides, the controller only reads the flag) that no
 # restart can fix: the data, the config, the task or the checkpoint is wrong.
 FATAL_TYPES = ("DataError", "TransformError", "CheckpointError", "DataChangedError",
-               "ConfigError", "BatchConfigError", "TaskError", "NonFiniteError")
+               "ConfigError", "BatchConfigError", "TaskError", "NonFiniteError",
+               # elastic_ddp.fencing: another job took the run over; this one must stop.
+               "FencedError")
 
 PHASES = ("set-up", "restore", "data read", "training step", "metrics", "evaluation",
           "checkpoint")

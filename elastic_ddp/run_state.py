@@ -106,6 +106,9 @@ class JobSpec:
     storage: str = ""
     diagnostics: Diagnostics = field(default_factory=lambda: Diagnostics())
     preemption: bool = False
+    #: The job's lease token (``elastic_ddp.fencing.Fence``), checked before every
+    #: checkpoint commit, report and removal; None: not checked.
+    fence: Any = None
 
     @property
     def ledger_dir(self) -> Optional[str]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.fencing import Fence, check as check_fence
 from elastic_ddp.checkpoint.checksum import (
     ALGO, digest_bytes, share_of, size_mismatches, start_verify)
 from elastic_ddp.checkpoint.dcp_io import load_powersgd_keys, local_copy, powersgd_keys, single_process
@@ -72,12 +73,18 @@ class CheckpointManager:
             writes the whole (replicated) state alone (per-step fault tolerance, one worker).
         log: a line for the run's log (rank 0's). tracker: where a rejected checkpoint is
             recorded as an event (``TrackerClient``; None: not recorded).
+        fence: the job's lease token (:mod:`elastic_ddp.fencing`): checked before a
+            checkpoint's directory is claimed, before its manifest (the commit), before
+            ``ray.train.report`` (whose registration makes Ray Train prune older ones) and
+            before any checkpoint is removed; :class:`~elastic_ddp.fencing.FencedError`
+            once another job took the run over. None: not checked.
     """
 
     def __init__(self, storage: str, run_name: str, config: Optional[dict], rank: int,
                  world_size: int, collective: bool, log: Callable[[str], None] = print,
-                 tracker=None, strategy_name: str = "ddp"):
+                 tracker=None, strategy_name: str = "ddp", fence: Optional[Fence] = None):
         self.storage, self.run_name, self.config = storage, run_name, config
+        self.fence = fence
         self.rank, self.world_size, self.collective = rank, world_size, collective
         self.log, self.tracker, self.strategy_name = log, tracker, strategy_name
 
@@ -146,6 +153,7 @@ class CheckpointManager:
         local = isinstance(fs, pafs.LocalFileSystem)
         name = checkpoint_name(step)
         if lead:
+            check_fence(self.fence, f"the checkpoint of step {step}")
             name = free_name(fs, base, step)
             if local:  # an object store has no directories (a marker object: one more PUT)
                 fs.create_dir(f"{base}/{name}", recursive=True)
@@ -259,6 +267,8 @@ class CheckpointManager:
         # may differ in its options where a node reaches the same store otherwise (another
         # endpoint, a proxy, its own credentials); the path is the same on both.
         if lead:
+            # A report registers the checkpoint, and Ray Train then prunes the run's oldest.
+            check_fence(self.fence, f"the report of checkpoint {name}")
             fs = _ray_storage_filesystem() or fs
         ray.train.report({k: float(v) for k, v in (metrics or {}).items()},
                          checkpoint=Checkpoint(dest, filesystem=fs) if lead else None,
@@ -307,6 +317,7 @@ class CheckpointManager:
                     "files": dict(sorted(files.items()))}
         if not reported:
             manifest["reported"] = False
+        check_fence(self.fence, f"the manifest of the checkpoint of step {step}")  # the commit
         with fs.open_output_stream(f"{dest}/{MANIFEST}.tmp") as out:
             out.write(json.dumps(manifest, indent=1).encode())
         fs.move(f"{dest}/{MANIFEST}.tmp", f"{dest}/{MANIFEST}")
@@ -319,6 +330,7 @@ class CheckpointManager:
         Reported ones are left to Ray Train. Costs a listing and a manifest read per
         checkpoint past the newest ``keep``."""
         fs, _ = run_dir(self.storage, self.run_name)
+        check_fence(self.fence, "the pruning of unreported checkpoints")
         removed = []
         good = complete_checkpoints(self.storage, self.run_name)
         # A rejected one goes once `keep` good ones are newer (nothing else removes it).
@@ -380,6 +392,7 @@ class CheckpointManager:
             # Restart mode only: every rank is restoring, so no write is under way (in
             # per-step mode a replacement restores while the quorum may be writing).
             if self.rank == 0 and self.storage and (self.collective or self.world_size == 1):
+                check_fence(self.fence, "the removal of incomplete checkpoints")
                 for p in incomplete_checkpoints(self.storage, self.run_name, manifest["step"]):
                     if p not in {r[0] for r in rejected}:
                         fs.delete_dir(p)

@@ -54,6 +54,9 @@ PREEMPTION_RAY = ("2.60.0",)
 # names (read from the installed package's metadata: neither is imported for it).
 TESTED_TORCH = ("2.13",)
 TESTED_MLFLOW = ("3.17",)
+# The releases whose Ray Train checkpoint-manager snapshot (its format, the deleting
+# helper its pruning calls) compat.ray_snapshot was tested on; elsewhere it does nothing.
+SNAPSHOT_RAY = ("2.60.0",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ray.train.v2.api.callback import UserCallback
 
 from elastic_ddp import notice
 from elastic_ddp.compat.ray_grow import grow_event, set_grow_timeout, take_grow
+from elastic_ddp.compat.ray_snapshot import skip_missing_deletes
 from elastic_ddp.compat.ray_train import (ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback,
                                           actor_death_time, count_notices_as_preemptions,
                                           retry_worker_deaths_at_start, shut_down_failed_starts,
@@ -351,6 +352,7 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
     def after_controller_start(self, train_run_context) -> None:
         retry_worker_deaths_at_start()
         shut_down_failed_starts()
+        skip_missing_deletes()  # a listed checkpoint gone: its pruning skipped (compat.ray_snapshot)
         if self.sink.preemption:
             count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None,
                                          self.sink.died_after_notice)

@@ -25,6 +25,7 @@ from elastic_ddp.compat.versions import preemption_notice_line, preemption_suppo
 from elastic_ddp.config import Config
 from elastic_ddp.driver.finish import after_failed_fit, close_failed, finish_job as _finish
 from elastic_ddp.driver.lease import RunLease
+from elastic_ddp.fencing import FencedError
 from elastic_ddp.driver.preflight import (report_skipped, check_ray_address, check_storage,  # noqa: F401
                                           check_tracking_store, prepare, process_start_time,
                                           tracking_uri_field, job_spec, warn_batch_over_rows)
@@ -326,13 +327,17 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         opener.cancel()  # no run is opened for a job that fails its checks
         _kill(host, tracker)
         raise
+    # The lease's fencing token goes with every writer of the run (elastic_ddp.fencing);
+    # the heartbeat that finds the run taken over interrupts this thread.
+    fence = lease.fence()
+    lease.on_lost = _interrupt_main
     try:
         if lease.describe_takeover():
             print(lease.describe_takeover(), flush=True)
         marks["scanned"] = time.time()
         storage = _storage_path(cfg)
         opener.find(cfg=cfg, storage=storage, uri=uri, parent_run_id=parent_run_id, task_params=params,
-                    train_info=train_info, val_info=val_info, skipped=skipped)
+                    train_info=train_info, val_info=val_info, skipped=skipped, fence=fence)
         # A run with storage may resume: its checkpoints and config are checked before Ray
         # starts and before its MLflow run is touched (exit 2 on bad input).
         resume = _check_resume(cfg, opener, storage, prep) if run_dir_exists(storage, cfg.run.name) else None
@@ -350,6 +355,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     except BaseException as e:
         try:
             _kill(host, tracker)
+            _raise_if_fenced(lease, opener)
             if not opener.went:  # refused before the run was opened: nothing to close
                 opener.cancel()
                 raise
@@ -370,8 +376,9 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     try:
         resumed = opened["resumed"]
         cfg = cfg.with_run_name(opened["ray_run_name"])  # the helper's choice (tracking.opener)
+        _drop_missing_checkpoints(storage, cfg.run.name, tracker)
         tracker.bind.remote(run_id, **opened["attempts"], history=opened["history"],
-                            data_wait_given=opened["data_wait_given"])
+                            data_wait_given=opened["data_wait_given"], fence=fence)
         if resumed:  # its recovery: seconds to this submission's first step, steps recomputed
             tracker.event.remote(resume_event(opened["history"], marks["process_start"]))
         if resume is not None and resume.tags:
@@ -384,7 +391,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         print(f"elastic-ddp: run {cfg.run.name!r} -> MLflow run {run_id} "
               f"({'resumed' if resumed else 'new'}); {train_info.num_rows} train rows in "
               f"{len(train_info.files)} file{'s' * (len(train_info.files) != 1)}; {total} steps", flush=True)
-        job = job_spec(cfg, prep, tracker, t0, storage, diagnostics)
+        job = job_spec(cfg, prep, tracker, t0, storage, diagnostics, fence=fence)
         trainer = build_trainer(cfg, job, tracker)
         if host is not None:
             trainer.controller_host = host
@@ -398,14 +405,19 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
             with ProgressDisplay(tracker, total, show=progress), stop:
                 result = trainer.fit()
         except BaseException:
+            _raise_if_fenced(lease, opener, tracker)
             after_failed_fit(tracker)
             raise
+        _raise_if_fenced(lease, opener, tracker)  # the final model and status are not written
         opener.finish()  # the system metrics end with the training
         return _finish(cfg, uri, run_id, tracker, result, t0, diagnostics.ledger_dir, marks, task,
                        prep.sample, train_info.num_rows, storage, model=prep.dry_run.model)
+    except FencedError:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised as TrainingError with the cause
         from elastic_ddp.controller.failures import describe_training_error
 
+        _raise_if_fenced(lease, opener, tracker)
         if stop is not None and stop.stopped(e):
             close_failed(uri, run_id, tracker, "stopped on SIGTERM at a checkpoint", "KILLED", opener)
             raise JobStopped(f"stopped on SIGTERM at a checkpoint (MLflow run {run_id} KILLED); "
@@ -417,6 +429,7 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
     except BaseException as e:
         # Ctrl-C, SIGTERM before fit or SystemExit: the run must not stay RUNNING in the
         # store; checkpoints are kept, so resubmitting the same run.name resumes it.
+        _raise_if_fenced(lease, opener, tracker)
         close_failed(uri, run_id, tracker, str(e) if isinstance(e, StoppedBeforeTraining)
                      else "interrupted", "KILLED", opener)
         _raise_interrupted(e, run_id, cfg)
@@ -425,6 +438,54 @@ def _train(cfg: Config, task, progress: bool, parent_run_id: Optional[str],
         opener.finish()
         _kill(host, tracker)
         lease.release()
+
+
+def _interrupt_main(_record: dict) -> None:
+    """The lease's heartbeat found the run taken over: the driver's main thread gets a
+    SIGINT, so a ``KeyboardInterrupt`` wherever it waits (``trainer.fit()``), which the launcher turns
+    into :class:`FencedError` (:func:`_raise_if_fenced`) without writing to the run."""
+    import signal
+    import threading
+
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def _raise_if_fenced(lease: RunLease, opener: RunOpener, tracker=None) -> None:
+    """Raise :class:`FencedError` (one line naming the job that took the run over) when
+    this job lost the run's lease: the MLflow helper and the tracker are stopped before
+    they write anything more, and the run is neither closed nor marked. One read of the
+    lease record unless the heartbeat found the loss already."""
+    from elastic_ddp.fencing import taken_over_line
+
+    taken = lease.lost()
+    if taken is None:
+        return
+    opener.fenced()
+    if tracker is not None:
+        _kill(None, tracker)
+    raise FencedError(taken_over_line(lease.name, taken)) from None
+
+
+def _drop_missing_checkpoints(storage: str, ray_run_name: str, tracker) -> None:
+    """A resumed run whose Ray Train snapshot lists checkpoints that are gone or
+    incomplete (``compat.ray_snapshot``): they are taken off the list, so that Ray Train's
+    controller neither fails on them at its start nor prunes them; one line and a
+    ``checkpoints_unlisted`` event name them."""
+    from elastic_ddp.checkpoint.layout import run_dir
+    from elastic_ddp.compat.ray_snapshot import drop_missing_checkpoints
+
+    try:
+        fs, base = run_dir(storage, ray_run_name)
+        gone = drop_missing_checkpoints(fs, base)
+    except OSError as e:  # the snapshot is Ray Train's to judge then
+        print(f"elastic-ddp: warning: Ray Train's checkpoint list of run {ray_run_name!r} "
+              f"could not be checked: {e}", flush=True)
+        return
+    if gone:
+        print(f"elastic-ddp: run {ray_run_name!r}: checkpoint{'s' * (len(gone) != 1)} "
+              f"{', '.join(gone)} listed by Ray Train but gone or incomplete: taken off its "
+              "list (the newest complete one is resumed from)", flush=True)
+        tracker.event.remote({"type": "checkpoints_unlisted", "t": time.time(), "checkpoints": gone})
 
 
 def _raise_interrupted(e: BaseException, run_id: str, cfg: Config) -> None:

@@ -23,6 +23,14 @@ Exclusive, so two jobs started together cannot both get it:
   record back is refused; a race inside that moment is not excluded (one warning line
   says so).
 
+The record's ``generation`` is the run's fencing token (:mod:`elastic_ddp.fencing`):
+larger with every acquisition, handed to the job's workers, tracker and MLflow helper,
+which read the record before they write to the run and stop once it is another job's.
+The heartbeat finds a takeover too and calls ``on_lost`` (the driver then stops without
+writing to the run; ``elastic-ddp train`` exits 4). The staleness limit is
+``ELASTIC_DDP_LEASE_STALE_S`` seconds (default 30; every job of a run should see the
+same), the heartbeat a sixth of it, at most 5 s.
+
 What it costs: one small write every few seconds for the job's length.
 """
 
@@ -40,8 +48,24 @@ from elastic_ddp.config import ConfigError
 from elastic_ddp.background import start_deferring_signals
 from elastic_ddp.errors import ElasticDDPError
 
-HEARTBEAT_S = 5.0
-STALE_S = 30.0
+def _stale_s() -> float:
+    """``ELASTIC_DDP_LEASE_STALE_S`` (seconds, > 0), else 30."""
+    raw = os.environ.get(STALE_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 30.0
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ConfigError(f"{STALE_ENV}={raw!r}: not a number of seconds above 0; unset it for "
+                          "the default of 30")
+    return value
+
+
+#: Seconds without a heartbeat after which a lease is stale (taken over by the next job of
+#: the run); the environment variable sets it for every job of the run alike.
+STALE_ENV = "ELASTIC_DDP_LEASE_STALE_S"
+STALE_S = _stale_s()
+HEARTBEAT_S = min(5.0, STALE_S / 6)
 _RECORD_BYTES = 1024
 
 
@@ -89,12 +113,44 @@ class RunLease:
             if is_s3(storage):
                 self.s3 = S3Object(storage, self.path)
         now = time.time()
+        # The fencing token (elastic_ddp.fencing): a new lease's generation is the clock's
+        # seconds, a takeover's at least the stale record's + 1 (_newer_than).
         self.record = {"host": socket.gethostname(), "pid": os.getpid(),
                        "pid_start": _pid_start(os.getpid()), "since": now, "heartbeat": now,
-                       "run": name}
+                       "run": name, "generation": int(now)}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.took_over: Optional[dict] = None
+        #: The record of the job that took this run over (found by the heartbeat or by
+        #: :meth:`lost`); ``on_lost(record)`` is called once when the heartbeat finds it.
+        self.taken_by: Optional[dict] = None
+        self.on_lost: Optional[Any] = None
+
+    def _newer_than(self, rec: Optional[dict]) -> None:
+        """Make this job's generation newer than the record ``rec`` it replaces."""
+        seen = int((rec or {}).get("generation") or 0)
+        self.record["generation"] = max(int(self.record["generation"]), seen + 1)
+
+    def fence(self):
+        """This job's :class:`elastic_ddp.fencing.Fence` (after :meth:`acquire`)."""
+        from elastic_ddp.fencing import Fence
+
+        return Fence(self.storage, self.name, self.record)
+
+    def lost(self) -> Optional[dict]:
+        """The record of the job that took the run over, or None while the lease is this
+        job's (one read of the record; a record that cannot be read counts as this job's)."""
+        if self.taken_by is None and self._thread is not None:
+            try:
+                rec = self._read()
+            except OSError:
+                return None
+            if rec is not None and not self._mine(rec):
+                self.taken_by = rec
+        return self.taken_by
+
+    def _mine(self, rec: dict) -> bool:
+        return all(rec.get(k) == self.record.get(k) for k in ("host", "pid", "pid_start", "since", "generation"))
 
     # -- reading and judging ---------------------------------------------------------
     def _read(self, path: Optional[str] = None) -> Optional[dict]:
@@ -196,6 +252,7 @@ class RunLease:
             return False  # released meanwhile
         if self.alive(rec):
             raise self._busy(rec)
+        self._newer_than(rec)
         etag = self.s3.replace(self._bytes(), seen)  # only over the stale version read
         if etag is None:
             return False  # another job took it over (or it was released) first
@@ -227,6 +284,7 @@ class RunLease:
                 _warn_read_back(self.storage)
                 rec = self._read()
                 if rec is None or not self.alive(rec):
+                    self._newer_than(rec)
                     self.fs.create_dir(self.dir, recursive=True)
                     self._write()
                     time.sleep(1.0)
@@ -240,6 +298,7 @@ class RunLease:
             if self.alive(rec):
                 raise self._busy(rec)
             self.took_over = rec
+            self._newer_than(rec)
             self._take_over_local(rec)
         else:
             rec = self._read() or {}
@@ -270,13 +329,24 @@ class RunLease:
             try:
                 # S3: the conditional write itself finds a record replaced meanwhile.
                 if self.s3 is None and self._read() != self.record:
-                    return  # taken over (this job was stopped long enough to look dead)
+                    raise _Lost()  # taken over (this job was stopped long enough to look dead)
                 self.record["heartbeat"] = time.time()
                 self._write()
             except _Lost:
-                return  # taken over
+                self._found_lost()
+                return
             except OSError:
                 pass  # storage briefly unreachable: the next beat tries again
+
+    def _found_lost(self) -> None:
+        """The heartbeat found the record replaced (or removed): the job is fenced."""
+        try:
+            rec = self._read()
+        except OSError:
+            rec = None
+        self.taken_by = self.taken_by or rec or {"removed": True}
+        if self.on_lost is not None:
+            self.on_lost(self.taken_by)
 
     def release(self) -> None:
         """Stop the heartbeat and remove the record (only this job's own)."""

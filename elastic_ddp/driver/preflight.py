@@ -361,13 +361,14 @@ def report_skipped(train_info, val_info) -> dict[str, list[str]]:
 
 
 def job_spec(cfg: Config, prep: "Prepared", tracker, t0: float, storage: str,
-             diagnostics: Optional[Diagnostics] = None) -> JobSpec:
+             diagnostics: Optional[Diagnostics] = None, fence=None) -> JobSpec:
     """What every worker receives (``worker.entry.load_job``): ``cfg`` itself, as the driver
     validated it (the workers use it as it is), the task, both scans and the dry run's
     sample rows from ``prep``, the tracker actor, the job's start ``t0`` (seconds since the
-    epoch), the Ray storage root and the ``diagnostics``."""
+    epoch), the Ray storage root, the ``diagnostics`` and the job's lease token ``fence``
+    (``elastic_ddp.fencing.Fence``)."""
     from elastic_ddp.run_state import Diagnostics, JobSpec
 
     return JobSpec(config=cfg, task=prep.task, train=prep.train_info, val=prep.val_info,
                    tracker=tracker, t0=t0, sample=prep.sample, storage=storage,
-                   diagnostics=diagnostics or Diagnostics())
+                   diagnostics=diagnostics or Diagnostics(), fence=fence)

@@ -143,6 +143,13 @@ class RunOpener:
             self._p.terminate()
         self._wait(timeout_s)
 
+    def fenced(self) -> None:
+        """The job lost the run's lease (``elastic_ddp.fencing``): the helper is killed at
+        once, so that its system-metrics monitor writes no last samples into the run."""
+        if self._p.poll() is None:
+            self._p.kill()
+        self._wait(10)
+
     def _wait(self, timeout_s: float) -> None:
         try:
             self._p.wait(timeout=timeout_s)
@@ -320,6 +327,7 @@ def _main(uri: str) -> int:
         request = pickle.load(sys.stdin.buffer)
     except EOFError:
         return 0  # cancelled: nothing opened
+    fence = request.pop("fence", None)  # elastic_ddp.fencing.Fence: the job's lease token
     try:
         found = find_job_run(**request)
     except BaseException as e:  # noqa: BLE001 - raised again in the driver
@@ -339,9 +347,12 @@ def _main(uri: str) -> int:
     out.close()
     if request.get("system_metrics", True):
         mon = start_system_metrics(uri, answer["run_id"])
-        # Until the driver's finish() (SIGTERM) or its death.
+        # Until the driver's finish() (SIGTERM) or its death, or another job taking the
+        # run over (the lease read every few seconds while the monitor runs): then the
+        # process ends without the monitor's last samples.
         while mon is not None and not stop.wait(1.0) and os.getppid() == parent:
-            pass
+            if fence is not None and fence.lost(every_s=5.0) is not None:
+                os.kill(os.getpid(), signal.SIGKILL)  # no last samples written
         if mon is not None:
             mon.finish()
     return 0

@@ -39,6 +39,11 @@ class JobTracker:
     A run deleted under the job (:mod:`elastic_ddp.tracking.run_lost`) is found at the
     first write it refuses: ``run_lost`` is set, one notice given, and nothing more is
     written (every later metric counts as dropped); training is not disturbed.
+
+    A job that lost the run's lease to another job (:mod:`elastic_ddp.fencing`; the
+    ``fence`` given to :meth:`bind`) writes nothing more: the lease is read before each
+    batch written (at most one small read per flush period), and once it is another
+    job's, ``fenced`` holds that job's record and every later write is dropped.
     """
 
     def __init__(self, uri: str, run_id: Optional[str] = None, flush_period_s: float = 1.0,
@@ -61,6 +66,8 @@ class JobTracker:
         self.delayed = self.dropped = 0
         self.last_error: Optional[str] = None
         self.run_lost: Optional[dict[str, Any]] = None
+        self.fenced: Optional[dict[str, Any]] = None
+        self._fence = None
         self._metrics: list[tuple[str, float, int, int]] = []
         self._tags: dict[str, str] = {}
         self._artifacts: dict[str, str] = {}
@@ -83,15 +90,18 @@ class JobTracker:
         start_deferring_signals(threading.Thread(target=self._loop, name="mlflow-writer", daemon=True))
 
     def bind(self, run_id: str, attempts_before: int = 0, world_sizes_before: Optional[list] = None,
-             history: Optional[dict[str, list]] = None, data_wait_given: bool = False) -> None:
+             history: Optional[dict[str, list]] = None, data_wait_given: bool = False,
+             fence=None) -> None:
         """The run to write to, once it is open (the driver starts the tracker before).
         ``attempts_before``/``world_sizes_before``: worker-group starts of this job in
         earlier submissions (the run's tags), so the restart count holds across
         resubmissions. ``history``: the earlier submissions' ``events``, ``attempts`` and
         ``timeline`` (``tracking.history.earlier_records``), kept first in the artifacts.
-        ``data_wait_given``: an earlier submission gave the run's data-wait warning."""
+        ``data_wait_given``: an earlier submission gave the run's data-wait warning.
+        ``fence``: the job's :class:`elastic_ddp.fencing.Fence`, checked before every write."""
         with self._lock:
             self.run_id = run_id
+            self._fence = fence
             self._attempts = int(attempts_before) + self._attempts
             self._world_sizes = [int(w) for w in (world_sizes_before or [])] + self._world_sizes
             self._earlier = {k: list(v) for k, v in (history or {}).items()}
@@ -242,7 +252,7 @@ class JobTracker:
                 target = self._requested
                 metrics, tags, arts = self._metrics, self._tags, self._artifacts
                 self._metrics, self._tags, self._artifacts = [], {}, {}
-            if self.run_lost is not None:  # a deleted run takes no more writes
+            if self.run_lost is not None or self._fenced():  # no more writes
                 self._done(target, dropped=len(metrics))
                 continue
             t_try = time.time()
@@ -283,6 +293,12 @@ class JobTracker:
                         print(f"elastic-ddp tracker: warning: MLflow store unavailable "
                               f"({self.last_error[:200]}); buffering metrics and retrying", flush=True)
                 backoff = min(10.0, backoff * 2)
+
+    def _fenced(self) -> bool:
+        """Whether another job took the run over (one read of its lease, until it did)."""
+        if self.fenced is None and self._fence is not None:
+            self.fenced = self._fence.lost()
+        return self.fenced is not None
 
     def _done(self, target: int, dropped: int = 0) -> None:
         with self._cv:

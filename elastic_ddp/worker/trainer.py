@@ -95,7 +95,8 @@ class Trainer:
         self.ckpt = CheckpointManager(job.storage, cfg.run.name, cfg.model_dump(mode="json"),
                                       rank, world_size,
                                       collective=self.comm_size > 1, log=self.log,
-                                      tracker=self.tracker, strategy_name=cfg.parallel.strategy)
+                                      tracker=self.tracker, strategy_name=cfg.parallel.strategy,
+                                      fence=job.fence)
         self.listener = notices.build(self)  # a notice -> a checkpoint here (None: a crash)
 
     # ---------------------------------------------------------------- checkpoint state
