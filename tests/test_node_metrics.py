@@ -5,6 +5,7 @@ MLflow store, and (Ray) a two-node job whose run holds both nodes' metrics."""
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def test_a_nodes_samples_are_logged_per_node_and_continue_after_a_resubmission(m
     run_id = _new_run(mlflow_store)
     node_id = "ab12cd34" + "e" * 48
     tracker = JobTracker(mlflow_store, run_id, flush_period_s=0.2)
-    s = NodeSampler(_Direct(tracker), node_id, "10.0.0.7", interval=0.2)
+    s = NodeSampler(_Direct(tracker), node_id, "10.0.0.7", interval=0.2, key=uuid.uuid4().hex)
     deadline = time.time() + 60  # the first sample waits for MLflow's import
     while s.sent < 3 and time.time() < deadline:
         time.sleep(0.1)
@@ -86,25 +87,44 @@ def test_a_sampler_that_cannot_send_stops_with_one_warning(capsys):
         def __getattr__(self, name):
             raise ConnectionError("tracker gone")
 
-    s = NodeSampler(Broken(), "0123456789", "", interval=0.05)
+    s = NodeSampler(Broken(), "0123456789", "", interval=0.05, key=uuid.uuid4().hex)
     s.thread.join(60)
     assert not s.thread.is_alive() and s.sent == 0
     out = capsys.readouterr().out
     assert out.count("warning: system metrics of node 01234567 stopped (ConnectionError") == 1
 
 
-def test_local_rank_0_only_samples():
-    from elastic_ddp.tracking.node_metrics import start_node_sampler
+def test_one_worker_of_a_node_samples_and_another_takes_over_when_it_ends():
+    """Workers of one node (one process here: a lock per open file) elect one sampler
+    through the node's lock file; when it stops, a waiting one takes the node over."""
+    from elastic_ddp.tracking.node_metrics import NodeSampler
 
-    class Ctx:
-        def __init__(self, r):
-            self.r = r
+    class Count:
+        def __init__(self):
+            self.calls = []
 
-        def get_local_rank(self):
-            return self.r
+        def node_metrics(self, *a):
+            self.calls.append(a)
 
-    assert start_node_sampler(object(), Ctx(1)) is None
-    assert start_node_sampler(None, Ctx(0)) is None
+    key, node = uuid.uuid4().hex, "cafe0123" + "0" * 48
+    a, b = Count(), Count()
+    first = NodeSampler(_Direct(a), node, interval=0.2, key=key)
+    second = NodeSampler(_Direct(b), node, interval=0.2, key=key)
+    other = NodeSampler(_Direct(b), "beef" + "0" * 52, interval=0.2, key=key)  # another node
+    deadline = time.time() + 60
+    while time.time() < deadline and not (
+            sum(c[0] == "cafe0123" for c in a.calls + b.calls) >= 2 and any(c[0] == "beef0000" for c in b.calls)):
+        time.sleep(0.1)
+    owner, waiter = (first, second) if first.lock is not None else (second, first)
+    assert owner.lock is not None and waiter.lock is None and waiter.sent == 0
+    assert {c[0] for c in a.calls + b.calls} == {"cafe0123", "beef0000"}
+    owner.stop()
+    owner.thread.join(10)
+    while waiter.sent < 1 and time.time() < deadline + 30:
+        time.sleep(0.1)
+    assert waiter.sent >= 1
+    for s in (waiter, other):
+        s.stop()
 
 
 # --------------------------------------------------------------------------- Ray
@@ -123,7 +143,7 @@ def test_a_two_node_run_holds_system_metrics_of_both_worker_nodes(digits_data, m
     with local_cluster(2, 2, head_cpus=1) as c:
         node_ids = sorted(n.node_id for n in c.worker_nodes)
         cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
-            "train": {"epochs": 3, "checkpoint_every_steps": 100, "log_every_steps": 10},
+            "train": {"epochs": 2, "checkpoint_every_steps": 100, "log_every_steps": 10},
             "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 2, "torch_threads": 1},
             "run": {"name": "node-metrics", "tracking_uri": mlflow_store},
         }))

@@ -6,23 +6,29 @@ sqlite file on the driver's disk; a cluster with no shared disk), so each node i
 sampled by one of its own training workers and the samples travel through the job's
 tracker actor, as every other worker metric does:
 
-- worker side, :class:`NodeSampler`: a daemon thread in the worker whose local rank is 0
-  on its node collects MLflow's own monitors (``CPUMonitor``, ``DiskMonitor``,
-  ``NetworkMonitor``, and ``GPUMonitor``/``ROCMMonitor`` where NVML/ROCm answers) every
-  :func:`interval_s` seconds and sends the averages to the tracker;
+- worker side, :class:`NodeSampler`: a daemon thread in every worker; the one that holds
+  the node's lock file (:func:`node_lock`) collects MLflow's own monitors
+  (``CPUMonitor``, ``DiskMonitor``, ``NetworkMonitor``, and ``GPUMonitor``/``ROCMMonitor``
+  where NVML/ROCm answers) every :func:`interval_s` seconds and sends the averages to the
+  tracker; the others retry the lock once an interval (one system call), so a node whose
+  sampling worker dies is taken over by another of its workers (per-step mode replaces
+  one replica alone). A lock rather than Ray Train's local rank: that rank counts workers
+  per node IP (and per replica group in per-step mode), so nodes that share an IP (a
+  local cluster, pods behind one host address) would have one sampler in all;
 - tracker side, :class:`NodeSeries`: logs them as ``system/<node>/<metric>`` (MLflow's
   own naming for ``SystemMetricsMonitor(node_id=...)``) with a step counter per node
   that the tracker keeps across worker-group restarts and, after a resubmission,
   continues from the run's last step of that node.
 
-``<node>`` is :func:`short_node_id`. One sender per node is kept (the first; another
-takes over when it has been silent for three intervals): in per-step mode replica groups
-each have a local rank 0, and a node must not be counted twice.
+``<node>`` is :func:`short_node_id`. The tracker also keeps one sender per node (the
+first; another takes over when it has been silent for three intervals), should two
+workers of one node both hold a lock (a lock file removed under them).
 
-What it costs: the worker imports MLflow (its package imports pandas and the tracking
-client: about a second of one core on an idle machine, several on a loaded one), once per
-worker-group start per node, in the sampler thread after its first interval, so not
-during the worker's own start-up; then a few psutil calls and one actor call per interval.
+What it costs: the sampling worker imports MLflow (its package imports pandas and the
+tracking client: about a second of one core on an idle machine, several on a loaded
+one), once per worker-group start per node, in the sampler thread after its first
+interval, so not during the worker's own start-up; then a few psutil calls and one actor
+call per interval. The lock file (empty) stays in the node's temp directory.
 Sampling never fails or slows training: any error stops that node's sampler after one
 warning line in the worker's log.
 """
@@ -59,6 +65,24 @@ def interval_s() -> float:
         return SYSTEM_METRICS_INTERVAL_S
 
 
+def node_lock(node_id: str, key: str):
+    """This node's sampler lock for job ``key`` (its run name), taken without waiting:
+    the open file that holds it (the lock ends with the process), or None when another
+    process of the node holds it. In the node's temp directory, which only its own
+    processes see (a local cluster's nodes share it: the node id tells them apart)."""
+    import fcntl
+    import tempfile
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:80]
+    f = open(os.path.join(tempfile.gettempdir(), f"elastic-ddp-sysmon-{safe}-{node_id[:16]}.lock"), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return f
+    except OSError:
+        f.close()
+        return None
+
+
 def mlflow_monitors() -> list:
     """MLflow's monitor objects for this machine: CPU and memory, disk, network, and the
     GPU's where NVML (NVIDIA) or ROCm (AMD) is present."""
@@ -93,16 +117,19 @@ def sample(monitors: list) -> dict[str, float]:
 
 
 class NodeSampler:
-    """The daemon thread that samples this node and sends to the tracker actor
+    """The daemon thread of one worker: once it holds the node's lock (:func:`node_lock`,
+    job ``key``), it samples the node and sends to the tracker actor
     (``actor.node_metrics.remote``) every ``interval`` seconds until :meth:`stop` or the
     process ends. ``node_id``: this node's full Ray node id; ``ip``: its address."""
 
-    def __init__(self, actor, node_id: str, ip: str = "", interval: Optional[float] = None):
-        self.actor, self.node_id, self.ip = actor, node_id, ip
+    def __init__(self, actor, node_id: str, ip: str = "", interval: Optional[float] = None,
+                 key: str = "job"):
+        self.actor, self.node_id, self.ip, self.key = actor, node_id, ip, key
         self.node = short_node_id(node_id)
         self.interval = interval or interval_s()
         self.sender = f"{ip}:{os.getpid()}"
         self.sent = 0
+        self.lock = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="node-system-metrics", daemon=True)
         self.thread.start()
@@ -112,8 +139,11 @@ class NodeSampler:
 
     def _run(self) -> None:
         try:
-            if self._stop.wait(self.interval):  # not during the worker's start-up
-                return
+            # The first wait: not during the worker's own start-up.
+            while self.lock is None:
+                if self._stop.wait(self.interval):
+                    return
+                self.lock = node_lock(self.node_id, self.key)
             monitors = mlflow_monitors()
             sample(monitors)  # the CPU % baseline: psutil measures since its last call
             while not self._stop.wait(self.interval):
@@ -124,21 +154,21 @@ class NodeSampler:
             sys.stdout.write(f"elastic-ddp: warning: system metrics of node {self.node} stopped "
                              f"({type(e).__name__}: {str(e)[:200]})\n")
             sys.stdout.flush()
+        finally:
+            if self.lock is not None:
+                self.lock.close()  # another worker of the node may take over
 
 
-def start_node_sampler(actor, train_context) -> Optional[NodeSampler]:
-    """A :class:`NodeSampler` in the worker of local rank 0 on its Ray node
-    (``train_context``: ``ray.train.get_context()``); None on every other worker,
+def start_node_sampler(actor, key: str) -> Optional[NodeSampler]:
+    """A :class:`NodeSampler` in this Ray worker for job ``key`` (its run name); None
     without a tracker, outside Ray, or when it cannot start."""
     try:
-        if actor is None or train_context.get_local_rank() != 0:
+        if actor is None:
             return None
         import ray
 
-        ctx = ray.get_runtime_context()
-        node_id = ctx.get_node_id()
-        ip = ray.util.get_node_ip_address()
-        return NodeSampler(actor, node_id, ip)
+        node_id = ray.get_runtime_context().get_node_id()
+        return NodeSampler(actor, node_id, ray.util.get_node_ip_address(), key=key)
     except Exception as e:  # noqa: BLE001 - monitoring never stops training
         sys.stdout.write(f"elastic-ddp: warning: no system metrics of this node ({type(e).__name__}: {e})\n")
         return None

@@ -73,8 +73,8 @@ def train_func(loop_config: dict) -> None:
     scaling = job.config.scaling
     torch.set_num_threads(scaling.torch_threads or max(1, int(scaling.cpus_per_worker)))
     trainer = None
-    # This node's system metrics, sent by its local rank 0 (tracking.node_metrics).
-    sampler = start_node_sampler(job.tracker, ctx)
+    # This node's system metrics, sent by one of its workers (tracking.node_metrics).
+    sampler = start_node_sampler(job.tracker, job.config.run.name)
     try:
         trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), rank_device())
         trainer._t_enter = t_enter
