@@ -22,8 +22,8 @@ What a run holds (so that the MLflow 3 UI reads like a published run):
   ``val/<m>`` first (the UI lists sections with a ``/`` prefix in ASCII order, and the
   unprefixed "Model metrics" section last), then ``worker/*`` (per-step time
   breakdown, memory, all-reduce), then the unprefixed ``lr``, ``epoch``,
-  ``samples_per_s``, ``world_size``, ``goodput``, ``wall_s``, ``startup_s`` and
-  ``recovery_s`` (at the step training resumed at). MLflow's own ``system/*`` metrics
+  ``samples_per_s``, ``world_size``, ``goodput``, ``wall_s``, ``startup_s``,
+  ``lost_s_per_fault`` and ``recovery_s`` (at the step training resumed at). MLflow's own ``system/*`` metrics
   (CPU, memory, disk, network, GPU when present) of the driver's machine come from a
   ``SystemMetricsMonitor`` in the MLflow helper process (``opener``), for the job's
   lifetime; every node that hosts workers adds ``system/<node>/*`` (``node_metrics``).
@@ -117,7 +117,7 @@ SYSTEM_METRICS_INTERVAL_S = 5.0
 # section, after the train/ and val/ sections. ``step`` is the x axis, not a metric.
 _TOP_LEVEL = {"lr", "epoch", "samples_per_s", "tokens_per_s", "world_size",
               # the driver's job scalars (finish.finish_job)
-              "goodput", "wall_s", "startup_s", "recovery_s"}
+              "goodput", "wall_s", "startup_s", "recovery_s", "lost_s_per_fault"}
 _DROPPED = {"step"}
 
 

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
 from elastic_ddp.tracking.history import FILES, with_earlier
 from elastic_ddp.tracking.node_metrics import NodeSeries
+from elastic_ddp.tracking.totals import SecondsTotals
 from elastic_ddp.tracking.nonfinite import NONFINITE_METRIC, NONFINITE_TAG, NonFiniteRows
 from elastic_ddp.tracking.run_lost import lost_record, lost_state, notice_text
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
@@ -55,6 +56,7 @@ class JobTracker:
         self.notices: list[dict[str, Any]] = []
         self._data_wait = DataWaitWatch()
         self._nonfinite = NonFiniteRows()
+        self.seconds = SecondsTotals()  # evaluation, checkpoint blocking, data wait (totals)
         self._nodes = NodeSeries()  # system/<node>/* of the worker nodes (tracking.node_metrics)
         self.nonfinite = self._nonfinite.rows  # warnings/nonfinite_rows.json
         self.attempts: list[dict[str, Any]] = []
@@ -117,6 +119,7 @@ class JobTracker:
                 if key is not None:
                     self._metrics.append((key, float(v), ts, int(step)))
                 self.latest[k] = float(v)
+            self.seconds.add(metrics, step)
             warning = self._data_wait.add(metrics, step)
             if warning is not None:
                 self.notices.append(dict(self._data_wait.fired))
@@ -234,6 +237,7 @@ class JobTracker:
                     "events": [dict(e) for e in self.events], "timeline": list(self.timeline),
                     "nonfinite": [dict(r) for r in self.nonfinite],
                     "delayed": self.delayed, "dropped": self.dropped,
+                    "seconds": self.seconds.snapshot(),
                     "pending": len(self._metrics), "last_error": self.last_error,
                     "run_lost": dict(self.run_lost) if self.run_lost else None,
                     "unavailable_s": round(self.unavailable_s + (
