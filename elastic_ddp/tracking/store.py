@@ -6,7 +6,7 @@ sets, the logged model), ``tracker`` (the job's tracker actor and the workers' c
 - The driver opens (or reopens) the job's run (:func:`open_run`), starts one
   :class:`JobTracker` actor for the job, and closes the run (:func:`finish_run`).
 - Workers and the Ray Train controller never import MLflow (but for MLflow's system
-  monitor classes in a node's local rank 0, ``node_metrics``): they send metrics, tags,
+  monitor classes in one worker per node, ``node_metrics``): they send metrics, tags,
   start-up marks and events to the tracker actor (fire-and-forget calls through
   :class:`TrackerClient`, a no-op on every rank but 0). The actor holds the MLflow client
   for the whole job, across worker-group restarts, and keeps what the driver needs
