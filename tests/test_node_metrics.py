@@ -143,7 +143,7 @@ def test_a_two_node_run_holds_system_metrics_of_both_worker_nodes(digits_data, m
     with local_cluster(2, 2, head_cpus=1) as c:
         node_ids = sorted(n.node_id for n in c.worker_nodes)
         cfg = Config.from_dict(digits_config(digits_data, tmp_path, {
-            "train": {"epochs": 2, "checkpoint_every_steps": 100, "log_every_steps": 10},
+            "train": {"epochs": 1, "checkpoint_every_steps": 100, "log_every_steps": 5},
             "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 2, "torch_threads": 1},
             "run": {"name": "node-metrics", "tracking_uri": mlflow_store},
         }))
@@ -158,3 +158,9 @@ def test_a_two_node_run_holds_system_metrics_of_both_worker_nodes(digits_data, m
         assert run.data.tags[f"elastic_ddp.node.{n[:8]}"].startswith(n)
     # The driver's own machine as before: system/<metric> without a node.
     assert "system/cpu_utilization_percentage" in run.data.metrics
+    # The same job's goodput parts (driver.goodput): evaluation and checkpoint blocking
+    # timed, the parts sum to the wall time; no fault, no seconds per fault.
+    g = summary.goodput_parts
+    assert g["eval_s"] > 0 and g["checkpoint_s"] > 0 and g["data_wait_s"] > 0, g
+    assert abs(sum(v for k, v in g.items() if k != "data_wait_s") - summary.wall_s) <= 0.01 * summary.wall_s
+    assert summary.lost_s_per_fault is None and "lost_s_per_fault" not in run.data.metrics
