@@ -197,13 +197,14 @@ def test_goodput_says_where_the_wall_time_went():
               {"type": "config_change", "t": 1.0}]
     parts = goodput_parts(snap, marks, wall_start=0.4, wall_s=50.0, committed_s=5.0, events=events)
     assert parts == {"training_s": 5.0, "earlier_s": 0.0, "startup_s": 7.3, "restarts_s": 8.0,
-                     "other_s": 29.7}, parts
+                     "recomputed_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0,
+                     "other_s": 29.7, "data_wait_s": 0.0}, parts
     assert abs(sum(parts.values()) - 50.0) < 1e-9
     out = format_summary(_summary(50.0, 5.0, parts)).splitlines()
     at = next(i for i, ln in enumerate(out) if ln.startswith("wall time:"))
     assert out[at] == "wall time:        50.0 s   goodput 10.00% (committed training steps 5.0 s / wall time)"
     assert out[at + 1] == ("  not training:   45.0 s = start-up 7.3 s (command to first step) + restarts "
-                           "8.0 s + other 29.7 s (evaluation, checkpoint writes, lost steps, the job's end)")
+                           "8.0 s + other 29.7 s (lost steps not recomputed, the job's end)")
 
 
 def test_goodput_of_a_resumed_run_counts_the_earlier_submissions_apart():
@@ -219,8 +220,52 @@ def test_goodput_of_a_resumed_run_counts_the_earlier_submissions_apart():
     events = [{"type": "failure", "t": 1050.0, "recovery_s": 9.0, "failed_ranks": [1]}]
     parts = goodput_parts(snap, marks, wall_start=0.0, wall_s=1200.0, committed_s=150.0, events=events)
     assert parts == {"training_s": 150.0, "earlier_s": 970.0, "startup_s": 10.0, "restarts_s": 0.0,
-                     "other_s": 70.0}, parts
+                     "recomputed_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0,
+                     "other_s": 70.0, "data_wait_s": 0.0}, parts
     line = format_summary(_summary(1200.0, 150.0, parts)).splitlines()
     assert ("  not training:   1050.0 s = earlier submissions 970.0 s (and the time between them) + "
             "start-up 10.0 s (command to first step) + restarts 0.0 s + other 70.0 s") in "\n".join(line)
     assert goodput_parts({"attempts": []}, marks, 0.0, 1200.0, 150.0, events) == {}
+
+
+def test_lost_seconds_per_fault_and_the_parts_of_a_faulty_run():
+    """A run with two faults: the recomputed steps at the committed steps' mean time, the
+    tracker's evaluation, checkpoint-blocking and data-wait totals; the parts but data
+    wait sum to the wall time; ``lost_s_per_fault`` = (wall - training - start-up -
+    evaluation) / faults, printed, in summary.json's dict; None without a fault."""
+    from dataclasses import asdict
+
+    from elastic_ddp.driver.report import format_summary, goodput_parts, lost_s_per_fault
+    from elastic_ddp.tracking.totals import SecondsTotals
+
+    totals = SecondsTotals()
+    for step, m in ((10, {"data_wait_s_max": 0.1}), (20, {"data_wait_s_max": 0.2}), (20, {"eval_time_s": 3.0}),
+                    (20, {"checkpoint_block_s": 1.5}), (10, {"data_wait_s_max": 5.0}),  # recomputed: once
+                    (30, {"data_wait_s_max": 0.1, "checkpoint_block_s": 0.5}), (30, {"eval_time_s": 2.0})):
+        totals.add(m, step)
+    assert totals.snapshot() == {"eval_s": 5.0, "checkpoint_s": 2.0, "data_wait_s": 4.0}
+    marks = {"process_start": 0.0, "fit_called": 2.0}
+    snap = {"attempts": [{"enter": 3.0, "first_step": 10.0, "committed_s": 0.0},
+                         {"enter": 40.0, "first_step": 45.0, "committed_s": 20.0}],
+            "seconds": totals.snapshot()}
+    events = [{"type": "failure", "t": 38.0, "recovery_s": 7.0, "steps_recomputed": 8},
+              {"type": "preemption", "t": 70.0, "recovery_s": 5.0, "steps_recomputed": 0},
+              {"type": "checkpoint_rejected", "t": 50.0}]
+    parts = goodput_parts(snap, marks, wall_start=0.0, wall_s=110.0, committed_s=60.0, events=events, steps=30)
+    assert parts == {"training_s": 60.0, "earlier_s": 0.0, "startup_s": 10.0, "restarts_s": 12.0,
+                     "recomputed_s": 16.0, "eval_s": 5.0, "checkpoint_s": 2.0, "other_s": 5.0,
+                     "data_wait_s": 4.0}, parts
+    assert abs(sum(v for k, v in parts.items() if k != "data_wait_s") - 110.0) <= 1.1
+    # (110 - 60 - 10 - 5) / 2 faults: restarts 12 + recomputed 16 + checkpoints 2 + other 5.
+    assert lost_s_per_fault(parts, 110.0, events) == 17.5
+    assert lost_s_per_fault(parts, 110.0, [events[2]]) is None
+    assert lost_s_per_fault({}, 110.0, events) is None
+    s = _summary(110.0, 60.0, parts)
+    s.events, s.lost_s_per_fault = events, 17.5
+    assert asdict(s)["lost_s_per_fault"] == 17.5
+    text = format_summary(s)
+    assert "(committed training steps 60.0 s / wall time; of it data wait 4.0 s)" in text
+    assert ("restarts 12.0 s + recomputed steps 16.0 s + checkpoint blocking 2.0 s + evaluation 5.0 s + "
+            "other 5.0 s") in text
+    assert ("  lost per fault: 17.5 s (not training, less start-up and evaluation, over 2 fault(s))"
+            in text.splitlines())

@@ -14,8 +14,9 @@ from elastic_ddp import tracking
 from elastic_ddp.config import Config
 from elastic_ddp.tracking.history import LAST_STEP_TAG
 from elastic_ddp.tracking.run_lost import DELETED, REMOVED, lost_line, lost_record, run_lost_state
-from elastic_ddp.driver.report import (Summary, goodput, goodput_parts, mlflow_ui_command,
-                                         nonfinite_summary, recovery_events, startup_breakdown)
+from elastic_ddp.driver.report import (Summary, goodput, goodput_parts, lost_s_per_fault,
+                                         mlflow_ui_command, nonfinite_summary, recovery_events,
+                                         startup_breakdown)
 
 
 
@@ -119,14 +120,17 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     counters = state.get("counters", {})
     progress = state.get("progress", {})
     gp = goodput(counters.get("committed_train_s", 0.0), wall)
-    parts = goodput_parts(snap, marks, wall_start, wall, counters.get("committed_train_s", 0.0), events)
     step = int(progress.get("step", 0))
+    parts = goodput_parts(snap, marks, wall_start, wall, counters.get("committed_train_s", 0.0), events,
+                          steps=step)
+    per_fault = lost_s_per_fault(parts, wall, events)
     if weights is not None and task is not None and not lost:
         model_id = _log_mlflow_model(cfg, uri, run_id, task, weights, sample, step, model)
     # One value each, at the last step: scalars of the whole job (the UI's "Model
     # metrics" section); the start-up phases are a table, not eleven one-bar charts.
     write(tracking.log_metrics, uri, run_id, {"goodput": gp, "wall_s": wall,
-                                              **({"startup_s": startup["total_s"]} if startup else {})},
+                                              **({"startup_s": startup["total_s"]} if startup else {}),
+                                              **({"lost_s_per_fault": per_fault} if per_fault is not None else {})},
           step)
     for ev in events:  # at the step training resumed from: on the loss curve's axis
         if "recovery_s" in ev:
@@ -152,7 +156,8 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
         skipped_steps=int(counters.get("skipped_steps", 0)),
         epochs_done=int(progress.get("epoch", 0)) + progress.get("cursor", 0) / max(1, n_train),
         tracking={k: snap.get(k) for k in ("delayed", "dropped", "last_error", "unavailable_s", "run_lost")},
-        model_id=model_id, nonfinite=nonfinite_summary(snap.get("nonfinite", []), cfg.data.id_column))
+        model_id=model_id, nonfinite=nonfinite_summary(snap.get("nonfinite", []), cfg.data.id_column),
+        lost_s_per_fault=per_fault)
     write(tracking.log_text, uri, run_id, json.dumps(asdict(summary), indent=1, default=str), "summary.json")
     write(tracking.finish_run, uri, run_id, ok=True)
     if lost:

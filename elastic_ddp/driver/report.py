@@ -1,5 +1,6 @@
-"""What a person sees of a job: the progress line, the closing summary, goodput (its one
-definition), recovery times of restart events, and the command-to-first-step profile.
+"""What a person sees of a job: the progress line, the closing summary (with goodput and
+its parts, ``driver.goodput``), recovery times of restart events, and the
+command-to-first-step profile.
 Reads the tracker actor's in-memory record (``tracking.JobTracker.snapshot``), never
 MLflow metric histories.
 """
@@ -15,6 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from elastic_ddp.background import start_deferring_signals
+# Re-exported: the report's callers and tests import them from here.
+from elastic_ddp.driver.goodput import (RECOVERIES, RESTARTS, faults, goodput,  # noqa: F401
+                                        goodput_parts, lost_s_per_fault)
 
 
 @dataclass
@@ -28,6 +32,8 @@ class Summary:
         goodput: see :func:`goodput`.
         goodput_parts: the wall time split into the committed training and the rest
             (:func:`goodput_parts`); {} where the job recorded no first step.
+        lost_s_per_fault: seconds lost per fault (:func:`lost_s_per_fault`); None
+            without faults.
         events: restart events with ``recovery_s``, ``resumed_at_step``, ``steps_recomputed``.
         startup: command-to-first-step phases in seconds (:func:`startup_breakdown`).
         tracking: metrics delayed or dropped while the store was unavailable.
@@ -60,6 +66,7 @@ class Summary:
     nonfinite: dict[str, Any] = field(default_factory=dict)
     goodput_parts: dict[str, float] = field(default_factory=dict)
     mlflow_run_lost: Optional[str] = None
+    lost_s_per_fault: Optional[float] = None
 
 
 def nonfinite_summary(rows: list[dict], id_column: str, shown: int = 8) -> dict[str, Any]:
@@ -71,63 +78,6 @@ def nonfinite_summary(rows: list[dict], id_column: str, shown: int = 8) -> dict[
         return {}
     ids = list(dict.fromkeys(r.get(id_column) for r in rows))
     return {"reported": len(rows), "distinct": len(ids), "ids": ids[:shown], "id_column": id_column}
-
-
-#: The event types that restart the workers (the others: ``checkpoint_rejected``,
-#: ``config_change``, recorded without a restart of their own).
-RESTARTS = ("failure", "resize", "preemption")
-#: The events with a recovery (:func:`recovery_events`): the restarts, and the ``resume``
-#: of a run whose previous submission did not finish (``tracking.history.resume_event``).
-RECOVERIES = RESTARTS + ("resume",)
-
-
-def goodput(committed_train_s: float, wall_s: float) -> float:
-    """Goodput = seconds spent in training steps that a checkpoint committed / wall
-    seconds since the job's first start (start-up, evaluation, checkpoint writes,
-    recomputed steps and restarts all count against it). The same definition as
-    Google's "ML goodput" (productive training time over elapsed time; Google Cloud,
-    "Goodput: measuring ML productivity", 2024) at step granularity."""
-    return committed_train_s / max(1e-9, wall_s)
-
-
-def goodput_parts(snapshot: dict, marks: dict, wall_start: float, wall_s: float,
-                  committed_s: float, events: list[dict]) -> dict[str, float]:
-    """Where the wall time of :func:`goodput` went, from what the job records (seconds,
-    summing to ``wall_s``; ``wall_start``: its start, seconds since the epoch):
-
-    - ``training_s``: training steps a checkpoint committed (``committed_s``);
-    - ``earlier_s``: a resumed run's time before this submission started that its
-      committed training does not account for: the earlier submissions' start-up,
-      restarts and lost steps, and the time between submissions (the committed seconds
-      at the restore come with this submission's first attempt, ``committed_s``);
-    - ``startup_s``: from this submission's start (the command's) to the end of its first
-      optimizer step (:func:`startup_breakdown`'s span);
-    - ``restarts_s``: the restart events' recovery (``recovery_s`` of :func:`recovery_events`,
-      overlapping ones counted once); a per-step replica's replacement is left out (the
-      other replicas trained meanwhile);
-    - ``other_s``: the rest: evaluation, checkpoint writes, steps lost to a fault and
-      recomputed, the end of the job (floored at 0).
-
-    {} when no attempt of this submission reached its first step."""
-    fit = marks.get("fit_called", marks.get("process_start", wall_start))
-    attempts = sorted((a for a in snapshot.get("attempts", []) if a.get("first_step", 0) >= fit),
-                      key=lambda a: a["first_step"])
-    if not attempts:
-        return {}
-    start = max(marks.get("process_start", wall_start), wall_start)
-    earlier = max(0.0, start - wall_start - float(attempts[0].get("committed_s", 0.0)))
-    startup = max(0.0, attempts[0]["first_step"] - start)
-    per_replica = any("rank" in a for a in snapshot.get("attempts", []))
-    spans = sorted((e["t"], e["t"] + e["recovery_s"]) for e in events
-                   if e.get("type") in RESTARTS and e.get("recovery_s") is not None
-                   and not (per_replica and e.get("failed_ranks")))
-    restarts, end = 0.0, float("-inf")
-    for a, b in spans:
-        restarts += max(0.0, b - max(a, end))
-        end = max(end, b)
-    out = {"training_s": committed_s, "earlier_s": earlier, "startup_s": startup, "restarts_s": restarts}
-    out["other_s"] = max(0.0, wall_s - sum(out.values()))
-    return {k: round(v, 3) for k, v in out.items()}
 
 
 def recovery_events(snapshot: dict, ledger_attempts: Optional[list] = None) -> list[dict]:
@@ -292,11 +242,19 @@ def _goodput_lines(s: Summary) -> list[str]:
     parts = ([f"earlier submissions {g['earlier_s']:.1f} s (and the time between them)"]
              if g.get("earlier_s") else [])
     parts += [f"start-up {g['startup_s']:.1f} s (command to first step)",
-              f"restarts {g['restarts_s']:.1f} s",
-              f"other {g['other_s']:.1f} s (evaluation, checkpoint writes, lost steps, the job's end)"]
-    return [f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training steps "
-            f"{g['training_s']:.1f} s / wall time)",
-            f"  not training:   {s.wall_s - g['training_s']:.1f} s = " + " + ".join(parts)]
+              f"restarts {g['restarts_s']:.1f} s"]
+    parts += [f"{name} {g[k]:.1f} s" for k, name in (("recomputed_s", "recomputed steps"),
+                                                  ("checkpoint_s", "checkpoint blocking"),
+                                                  ("eval_s", "evaluation")) if g.get(k)]
+    parts += [f"other {g['other_s']:.1f} s (lost steps not recomputed, the job's end)"]
+    lines = [f"wall time:        {s.wall_s:.1f} s   goodput {s.goodput:.2%} (committed training steps "
+             f"{g['training_s']:.1f} s / wall time"
+             + (f"; of it data wait {g['data_wait_s']:.1f} s)" if g.get("data_wait_s") else ")"),
+             f"  not training:   {s.wall_s - g['training_s']:.1f} s = " + " + ".join(parts)]
+    if s.lost_s_per_fault is not None:
+        lines.append(f"  lost per fault: {s.lost_s_per_fault:.1f} s (not training, less start-up and "
+                     f"evaluation, over {faults(s.events)} fault(s))")
+    return lines
 
 
 class ProgressDisplay:

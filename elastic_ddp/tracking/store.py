@@ -5,7 +5,8 @@ sets, the logged model), ``tracker`` (the job's tracker actor and the workers' c
 
 - The driver opens (or reopens) the job's run (:func:`open_run`), starts one
   :class:`JobTracker` actor for the job, and closes the run (:func:`finish_run`).
-- Workers and the Ray Train controller never import MLflow: they send metrics, tags,
+- Workers and the Ray Train controller never import MLflow (but for MLflow's system
+  monitor classes in one worker per node, ``node_metrics``): they send metrics, tags,
   start-up marks and events to the tracker actor (fire-and-forget calls through
   :class:`TrackerClient`, a no-op on every rank but 0). The actor holds the MLflow client
   for the whole job, across worker-group restarts, and keeps what the driver needs
@@ -21,11 +22,12 @@ What a run holds (so that the MLflow 3 UI reads like a published run):
   ``val/<m>`` first (the UI lists sections with a ``/`` prefix in ASCII order, and the
   unprefixed "Model metrics" section last), then ``worker/*`` (per-step time
   breakdown, memory, all-reduce), then the unprefixed ``lr``, ``epoch``,
-  ``samples_per_s``, ``world_size``, ``goodput``, ``wall_s``, ``startup_s`` and
-  ``recovery_s`` (at the step training resumed at). MLflow's own ``system/*`` metrics
-  (CPU, memory, disk, network, GPU when present) come from a ``SystemMetricsMonitor``
-  in the tracker actor, for the job's lifetime. No timestamps among metrics: times are
-  tags or table artifacts.
+  ``samples_per_s``, ``world_size``, ``goodput``, ``wall_s``, ``startup_s``,
+  ``lost_s_per_fault`` and ``recovery_s`` (at the step training resumed at). MLflow's own ``system/*`` metrics
+  (CPU, memory, disk, network, GPU when present) of the driver's machine come from a
+  ``SystemMetricsMonitor`` in the MLflow helper process (``opener``), for the job's
+  lifetime; every node that hosts workers adds ``system/<node>/*`` (``node_metrics``).
+  No timestamps among metrics: times are tags or table artifacts.
 - Params: the config fields the job uses (:func:`job_params`: no nulls, no PowerSGD
   fields without ``comm_hook=powersgd``, ...), plus ``world_size``, the task and the
   model's parameter count.
@@ -115,7 +117,7 @@ SYSTEM_METRICS_INTERVAL_S = 5.0
 # section, after the train/ and val/ sections. ``step`` is the x axis, not a metric.
 _TOP_LEVEL = {"lr", "epoch", "samples_per_s", "tokens_per_s", "world_size",
               # the driver's job scalars (finish.finish_job)
-              "goodput", "wall_s", "startup_s", "recovery_s"}
+              "goodput", "wall_s", "startup_s", "recovery_s", "lost_s_per_fault"}
 _DROPPED = {"step"}
 
 

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DataWaitWatch
 from elastic_ddp.tracking.history import FILES, with_earlier
+from elastic_ddp.tracking.node_metrics import NodeSeries
+from elastic_ddp.tracking.totals import SecondsTotals
 from elastic_ddp.tracking.nonfinite import NONFINITE_METRIC, NONFINITE_TAG, NonFiniteRows
 from elastic_ddp.tracking.run_lost import lost_record, lost_state, notice_text
 from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
@@ -59,6 +61,8 @@ class JobTracker:
         self.notices: list[dict[str, Any]] = []
         self._data_wait = DataWaitWatch()
         self._nonfinite = NonFiniteRows()
+        self.seconds = SecondsTotals()  # evaluation, checkpoint blocking, data wait (totals)
+        self._nodes = NodeSeries()  # system/<node>/* of the worker nodes (tracking.node_metrics)
         self.nonfinite = self._nonfinite.rows  # warnings/nonfinite_rows.json
         self.attempts: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -125,6 +129,7 @@ class JobTracker:
                 if key is not None:
                     self._metrics.append((key, float(v), ts, int(step)))
                 self.latest[k] = float(v)
+            self.seconds.add(metrics, step)
             warning = self._data_wait.add(metrics, step)
             if warning is not None:
                 self.notices.append(dict(self._data_wait.fired))
@@ -146,6 +151,22 @@ class JobTracker:
             self._metrics.append((key, float(so_far), int(time.time() * 1000), int(report["step"])))
             self._tags[NONFINITE_TAG] = self._nonfinite.tag()
             self._artifact("nonfinite")
+
+    def node_metrics(self, node: str, sender: str, metrics: dict[str, float], t: float,
+                     interval: float, info: Optional[dict[str, Any]] = None) -> None:
+        """One system-metrics sample of a worker node (``tracking.node_metrics``), logged
+        as ``system/<node>/<metric>`` at the node's next step; the node's Ray id and IP
+        as the tag ``elastic_ddp.node.<node>``."""
+        with self._lock:
+            new = node not in self._nodes.steps
+            rows = self._nodes.add(node, sender, metrics, t, interval, info)
+            self._metrics.extend(rows)
+            if rows and new and info:
+                self._tags[f"elastic_ddp.node.{node}"] = f"{info.get('node_id', '')} {info.get('ip', '')}".strip()
+            if len(self._metrics) > MAX_BUFFERED_METRICS:
+                extra = len(self._metrics) - MAX_BUFFERED_METRICS
+                del self._metrics[:extra]
+                self.dropped += extra
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         with self._lock:
@@ -226,6 +247,7 @@ class JobTracker:
                     "events": [dict(e) for e in self.events], "timeline": list(self.timeline),
                     "nonfinite": [dict(r) for r in self.nonfinite],
                     "delayed": self.delayed, "dropped": self.dropped,
+                    "seconds": self.seconds.snapshot(),
                     "pending": len(self._metrics), "last_error": self.last_error,
                     "run_lost": dict(self.run_lost) if self.run_lost else None,
                     "unavailable_s": round(self.unavailable_s + (
@@ -356,6 +378,8 @@ class JobTracker:
         # train/ and val/ first: the Overview's metrics table lists keys in the order the
         # store first saw them.
         metrics = sorted(metrics, key=lambda m: (display_rank(m[0]), m[3], m[2]))
+        if self._nodes.steps:
+            metrics = self._nodes.shifted(metrics, self._client, self.run_id)
         for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics[i:i + 1000]])
         if tags:

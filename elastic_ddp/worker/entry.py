@@ -62,6 +62,7 @@ def train_func(loop_config: dict) -> None:
     from elastic_ddp.compat.ray_backend import rank_device
     from elastic_ddp.notice import Preempted
     from elastic_ddp.positions import located
+    from elastic_ddp.tracking.node_metrics import start_node_sampler
     from elastic_ddp.worker.trainer import Trainer
 
     marks = start_marks()
@@ -72,6 +73,8 @@ def train_func(loop_config: dict) -> None:
     scaling = job.config.scaling
     torch.set_num_threads(scaling.torch_threads or max(1, int(scaling.cpus_per_worker)))
     trainer = None
+    # This node's system metrics, sent by one of its workers (tracking.node_metrics).
+    sampler = start_node_sampler(job.tracker, job.config.run.name)
     try:
         trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), rank_device())
         trainer._t_enter = t_enter
@@ -94,3 +97,6 @@ def train_func(loop_config: dict) -> None:
         if trainer is not None:
             trainer.position.close()  # the error itself carries the position now
         raise located(e, ctx.get_world_rank(), where) from e
+    finally:
+        if sampler is not None:
+            sampler.stop()

@@ -178,10 +178,13 @@ class Trainer:
         c.committed_train_s += c.uncommitted_train_s
         c.uncommitted_train_s = 0.0
         p = self.progress
+        t0 = time.perf_counter()
         self.ckpt.save(p.step, self.strategy, self.run_state(),
                        {"step": p.step, "epoch": p.epoch, **metrics}, writer=self.roles.lead,
                        fault_hook=self.fault.checkpoint_hook(p.step) if self.fault else None,
                        asynchronous=self.cfg.train.async_checkpoint and not final)
+        if self.roles.lead:  # what the loop waited for: the summary's checkpoint part (tracking.totals)
+            self.tracker.log_metrics({"checkpoint_block_s": time.perf_counter() - t0}, p.step)
 
     # -------------------------------------------------------------------------- loop
     @property
@@ -398,9 +401,11 @@ class Trainer:
         if share is None:
             return {}
         self.at("evaluation", self.progress.step)
+        t0 = time.perf_counter()
         out = evaluate(self, *share)
         if out and self.roles.lead:
-            self.tracker.log_metrics(out, self.progress.step)
+            # eval_time_s: the summary's evaluation part (tracking.totals).
+            self.tracker.log_metrics({**out, "eval_time_s": time.perf_counter() - t0}, self.progress.step)
             self.log(f"epoch {self.progress.epoch} done: " + " ".join(f"{k}={v:.4f}" for k, v in out.items()))
         return out
 
