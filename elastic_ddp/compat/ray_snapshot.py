@@ -119,4 +119,5 @@ def skip_missing_deletes() -> None:
         delete(fs=fs, fs_path=fs_path)
 
     delete_if_there._elastic_ddp = True  # type: ignore[attr-defined]
+    delete_if_there.__wrapped__ = delete  # type: ignore[attr-defined]
     cm.delete_fs_path = delete_if_there
