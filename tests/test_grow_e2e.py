@@ -28,7 +28,7 @@ from conftest import _deep_update, digits_config
 from elastic_ddp.driver.launcher import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
-from helpers import add_node, max_step, train_ids, wait_until
+from helpers import add_node, local_cluster, max_step, train_ids, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -40,25 +40,10 @@ SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.8}
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster()
-    try:
-        add_node(c, num_cpus=1, include_dashboard=False)  # the head
-        add_node(c, num_cpus=2)
-        c.wait_for_nodes()
-    except BaseException:
-        c.shutdown()
-        raise
-    ray.init(address=c.address, logging_level="WARNING")
-    try:
+    """A head (1 CPU) and one 2-CPU worker node (``helpers.local_cluster``); the
+    test adds the second node."""
+    with local_cluster(1, 2, head_cpus=1) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")
