@@ -342,7 +342,11 @@ def replay_plain_torch(cfg, data_dir: Path):
     same per-epoch global order (the library's epoch order over the real row groups), same
     LR per sample count (``lr_at``), full-batch mean loss. Returns (every step's loss,
     model). By the world-size invariance of a step (test_batching), the 2-worker job must
-    compute the same training up to float reassociation."""
+    compute the same training up to float reassociation: the replay takes a step's rows in
+    one batch where the product cuts them into shards, ~1e-7 apart in one step, which
+    Adam's steps amplify over a run (digits, G=32: 2e-3 of the loss by step 131). A
+    bit-for-bit reference is the product's own step at world size 1
+    (``helpers.one_thread_steps``)."""
     import numpy as np
     import pyarrow.parquet as pq
     import torch

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -344,15 +345,18 @@ def replicas_together(ledger, k: int = 5, quorum: int = 2, files: int = 2, since
 
 
 # ------------------------------------------------------ the product's Trainer, without Ray
-def trainer_steps(job, rank: int, ws: int, steps: int, load=None) -> dict:
+def trainer_steps(job, rank: int, ws: int, steps: int, load=None, losses: Optional[list] = None) -> dict:
     """``steps`` optimizer steps of the product's ``worker.trainer.Trainer`` for ``job`` (a
     ``JobSpec``) as rank ``rank`` of ``ws`` (``ws > 1``: in an initialised gloo process
     group), from the live state ``load`` (a ``Trainer.state_dict()``, what a healing
     replica receives) when given, with no checkpoint, evaluation or ledger; returns its
-    ``state_dict()`` after (model, optimizer, progress)."""
+    ``state_dict()`` after (model, optimizer, progress). ``losses``: a list to which every
+    step's train loss (this rank's mean over its rows, as the metric window sums it) is
+    appended."""
     import torch
 
     from elastic_ddp.ledger import LedgerWriter
+    from elastic_ddp.metrics import StepWindow
     from elastic_ddp.worker.trainer import Trainer
 
     t = Trainer(job, rank, ws, torch.device("cpu"))
@@ -363,11 +367,15 @@ def trainer_steps(job, rank: int, ws: int, steps: int, load=None) -> dict:
     for _ in range(steps):
         if p.cursor >= t.n_train:  # as Trainer._loop does at an epoch's end
             p.epoch, p.cursor = p.epoch + 1, 0
+        if losses is not None:
+            t.window = StepWindow()
         assert t.train_step()
+        if losses is not None:
+            losses.append(t.window.loss_sum / t.window.count)
     return t.state_dict()
 
 
-def one_thread_steps(job, steps: int, load=None) -> dict:
+def one_thread_steps(job, steps: int, load=None, losses: Optional[list] = None) -> dict:
     """:func:`trainer_steps` at world size 1 in this process, on one torch thread (as a
     job's workers with ``scaling.torch_threads: 1``: a kernel's reduction order may
     follow the thread count)."""
@@ -376,6 +384,6 @@ def one_thread_steps(job, steps: int, load=None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return trainer_steps(job, 0, 1, steps, load)
+        return trainer_steps(job, 0, 1, steps, load, losses)
     finally:
         torch.set_num_threads(threads)
