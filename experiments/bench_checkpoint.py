@@ -286,7 +286,7 @@ def _interleaved(args, s, step, store: Path, rank: int, ws: int, device) -> None
     # Host copies alive at once on every rank: this project's kept one, a fresh one of
     # dcp_async while it writes, and dcp_async_kept's. Kinds whose copies do not fit in
     # the memory available (every rank on this machine) are left out, named in RESULT.
-    from elastic_ddp.checkpoint.manager import REPLICATED_PARTS, replicated_share
+    from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
 
     full = m.model_optimizer_state(s)
     ours = replicated_share(full, REPLICATED_PARTS.get(args.strategy, ()), rank, ws)

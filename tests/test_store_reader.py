@@ -67,8 +67,8 @@ def _rank(rank, ws, init_file, job, env):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws)
     try:
-        from elastic_ddp.checkpoint.manager import (
-            REPLICATED_PARTS, CheckpointManager, replicated_share)
+        from elastic_ddp.checkpoint.manager import CheckpointManager
+        from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
 
         if job["do"] == "save":
             s = _strategy(ws, 1)  # the same seed on both ranks: a replicated (ddp) state
