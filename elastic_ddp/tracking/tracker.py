@@ -2,7 +2,7 @@
 across worker-group restarts): its record of the job (metrics, notices, worker-group
 starts, events, the controller's timeline, node series) kept for the driver and written
 to the run by its writer thread (``tracking.writer``). The actor's start and the
-workers' client: ``tracking.client``."""
+workers' client: ``tracking.tracker_client``."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from elastic_ddp.tracking.writer import RunWriter
 
 class JobTracker(RunWriter):
     """The job's in-memory record and its MLflow writer (:class:`RunWriter`); run as a
-    Ray actor (``num_cpus=0``) by ``tracking.client.start_tracker``. Methods are called by workers (rank 0), the controller's
-    callbacks and the driver.
+    Ray actor (``num_cpus=0``) by ``tracking.tracker_client.start_tracker``. Methods are
+    called by workers (rank 0), the controller's callbacks and the driver.
 
     Kept for the driver: ``latest`` metrics (progress), ``notices`` (warnings for the
     console, each once: the data-wait warning of :mod:`elastic_ddp.tracking.data_wait`,
