@@ -75,7 +75,7 @@ def main() -> None:
     from elastic_ddp.checkpoint.checksum import bad_files, file_record
     from elastic_ddp.checkpoint.layout import MANIFEST, checkpoint_name
     from elastic_ddp.checkpoint.manager import CheckpointManager
-    from elastic_ddp.checkpoint.state import set_model_optimizer_state
+    from elastic_ddp.checkpoint.state import model_optimizer_state, set_model_optimizer_state
 
     load0 = os.getloadavg()
     model, opt = build(args.width, args.layers)
@@ -143,7 +143,7 @@ def main() -> None:
             assert bad_files(fs, str(path), m, names) == []
 
         def dcp_load() -> None:
-            state = CheckpointManager.model_optimizer_state(strategy)
+            state = model_optimizer_state(strategy)
             dcp.load(state, checkpoint_id=str(xdir))
             set_model_optimizer_state(strategy, state)
 

@@ -87,11 +87,9 @@ class CheckpointManager:
         self.rank, self.world_size, self.collective = rank, world_size, collective
         self.log, self.tracker, self.strategy_name = log, tracker, strategy_name
 
-    # ------------------------------------------------------------------ state to DCP
-    #: The DCP state of a strategy (``checkpoint.state.model_optimizer_state``).
-    model_optimizer_state = staticmethod(ckpt_state.model_optimizer_state)
+    # ---------------------------------------------------------------- live (healing)
     #: What a healing replica receives from a live peer, and its load
-    #: (``checkpoint.state.live_state``, ``load_live_state``).
+    #: (``checkpoint.state.live_state``, ``load_live_state``; the worker's healing path).
     live_state = staticmethod(ckpt_state.live_state)
     load_live_state = staticmethod(ckpt_state.load_live_state)
 
