@@ -89,7 +89,7 @@ class JobSpec:
     ``config``: the job's :class:`~elastic_ddp.config.Config` as the driver validated it
     (pydantic models pickle; the workers use it as it is, without validating it again).
     ``sample``: ``{"train": row, "val": row}``, one transformed row of each split from
-    the driver's dry run (``tasks.loading.preflight``): the shape of an empty batch for a
+    the driver's dry run (``tasks.dry_run.preflight``): the shape of an empty batch for a
     rank whose share is empty. ``diagnostics``: what a test or an experiment adds
     (:class:`Diagnostics`). ``preemption``: this Ray turns a notice into a checkpoint
     (``restart`` mode) or a replica leaving its quorum (``per_step`` mode)

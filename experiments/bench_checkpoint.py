@@ -286,9 +286,10 @@ def _interleaved(args, s, step, store: Path, rank: int, ws: int, device) -> None
     # Host copies alive at once on every rank: this project's kept one, a fresh one of
     # dcp_async while it writes, and dcp_async_kept's. Kinds whose copies do not fit in
     # the memory available (every rank on this machine) are left out, named in RESULT.
-    from elastic_ddp.checkpoint.manager import REPLICATED_PARTS, replicated_share
+    from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
+    from elastic_ddp.checkpoint.state import model_optimizer_state
 
-    full = m.model_optimizer_state(s)
+    full = model_optimizer_state(s)
     ours = replicated_share(full, REPLICATED_PARTS.get(args.strategy, ()), rank, ws)
     need = torch.tensor([float(_staged_bytes(ours)), float(_staged_bytes(full))], device=device)
     dist.all_reduce(need)  # over the ranks: this project's share, DCP's whole local state

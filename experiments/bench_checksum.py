@@ -71,10 +71,11 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from elastic_ddp.checkpoint import manager as mgr_mod
+    from elastic_ddp.checkpoint import restore as restore_mod
     from elastic_ddp.checkpoint.checksum import bad_files, file_record
     from elastic_ddp.checkpoint.layout import MANIFEST, checkpoint_name
     from elastic_ddp.checkpoint.manager import CheckpointManager
+    from elastic_ddp.checkpoint.state import model_optimizer_state, set_model_optimizer_state
 
     load0 = os.getloadavg()
     model, opt = build(args.width, args.layers)
@@ -120,7 +121,7 @@ def main() -> None:
         (cdir / MANIFEST).write_text(json.dumps(crc, indent=1))
         manifests = {"xxh3_64": (xdir, manifest), "crc32": (cdir, crc)}
 
-        real = mgr_mod.start_verify, mgr_mod.size_mismatches
+        real = restore_mod.start_verify, restore_mod.size_mismatches
 
         def _before(*a):
             f: Future = Future()
@@ -128,13 +129,13 @@ def main() -> None:
             return f
 
         def restore(run: str, check) -> None:
-            mgr_mod.start_verify, mgr_mod.size_mismatches = {
+            restore_mod.start_verify, restore_mod.size_mismatches = {
                 True: real, False: (_no_check, lambda *a, **k: []),
                 "before": (_before, real[1])}[check]
             try:
                 found = mgr(run).restore(strategy)
             finally:
-                mgr_mod.start_verify, mgr_mod.size_mismatches = real
+                restore_mod.start_verify, restore_mod.size_mismatches = real
             assert found is not None and found[1].endswith(checkpoint_name(1)), found
 
         def check_alone(algo: str) -> None:
@@ -142,9 +143,9 @@ def main() -> None:
             assert bad_files(fs, str(path), m, names) == []
 
         def dcp_load() -> None:
-            state = CheckpointManager.model_optimizer_state(strategy)
+            state = model_optimizer_state(strategy)
             dcp.load(state, checkpoint_id=str(xdir))
-            CheckpointManager._set_model_optimizer_state(strategy, state)
+            set_model_optimizer_state(strategy, state)
 
         rounds = [("dcp.load alone", dcp_load),
                   ("restore, no check", lambda: restore("xxh3", False)),

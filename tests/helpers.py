@@ -210,7 +210,8 @@ def open_request(cfg, uri: str, storage: str) -> dict:
     training data scanned, one skipped entry), MLflow at ``uri``, Ray storage ``storage``."""
     from elastic_ddp import tracking
     from elastic_ddp.data.scan import scan_parquet
-    from elastic_ddp.tasks.loading import count_params, load_task
+    from elastic_ddp.tasks.dry_run import count_params
+    from elastic_ddp.tasks.loading import load_task
 
     task = load_task(cfg)
     info = scan_parquet(cfg.data.train_path, task.input_columns(), "sample_id")
@@ -272,7 +273,7 @@ local_cluster = _cluster_faults().local_cluster
 # is then forked from it (a fraction of a second) instead of starting an interpreter that
 # imports torch (seconds of CPU per rank, tens of seconds of wall on a loaded machine).
 RANK_PRELOAD = ["torch", "torch.distributed", "elastic_ddp.config", "elastic_ddp.parallel.strategies",
-                "elastic_ddp.tasks.loading", "elastic_ddp.checkpoint.manager"]
+                "elastic_ddp.tasks.loading", "elastic_ddp.tasks.dry_run", "elastic_ddp.checkpoint.manager"]
 
 
 def rank_context():

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``elastic_ddp.checkpoint.manager``) on real gloo process groups
+"""Sharded checkpoints (``elastic_ddp.checkpoint.manager``, ``.restore``) on real gloo process groups
 (torch.multiprocessing, no Ray): ddp, zero1 and fsdp write at world size 2, each rank its
 own shard file, and resume at world sizes 1 and 3 on the uninterrupted curve; a file that
 fails its checksum makes the restore fall back to the previous checkpoint, naming it.
@@ -461,7 +461,7 @@ def test_a_replicated_state_is_cut_into_disjoint_balanced_shares():
     """``replicated_share``: each rank keeps a disjoint share of the replicated tensors
     (their union is the whole state), balanced by bytes, the same cut on every rank;
     non-tensor values and the parts not named stay whole on every rank."""
-    from elastic_ddp.checkpoint.manager import REPLICATED_PARTS, replicated_share
+    from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
 
     model = {f"w{i}": torch.zeros(n) for i, n in enumerate([1000, 600, 500, 300, 200, 100, 40])}
     optim = {"state.w0.exp_avg": torch.zeros(1000), "state.w0.step": torch.tensor(3.0),

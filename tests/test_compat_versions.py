@@ -172,7 +172,8 @@ def test_the_seam_still_imports_and_runs_where_ray_lacks_the_internals_it_overri
 
     code = ("import sys, ray.train  # Ray's own modules are loaded first: they import it too\n"
             "sys.modules['ray.train.v2._internal.execution.callback'] = None\n"
-            "from elastic_ddp.controller.events import ElasticEvents, ControllerEvents\n"
+            "from elastic_ddp.controller.events import ElasticEvents\n"
+            "from elastic_ddp.controller.lifecycle import ControllerEvents\n"
             "print(ControllerEvents.__mro__[1].__module__)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "elastic_ddp.compat.ray_train", p.stderr[-2000:]

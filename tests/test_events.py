@@ -12,8 +12,8 @@ from ray.train.v2._internal.execution.failure_handling.failure_policy import Fai
 from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
 
 from conftest import InProcess
-from elastic_ddp.controller.events import (EVENTS_ARTIFACT, ControllerEvents, DeterministicTrainingError,
-                                ElasticEvents)
+from elastic_ddp.controller.events import EVENTS_ARTIFACT, DeterministicTrainingError, ElasticEvents
+from elastic_ddp.controller.lifecycle import ControllerEvents
 
 
 @pytest.fixture()

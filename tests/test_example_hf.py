@@ -27,7 +27,8 @@ from elastic_ddp import Diagnostics, TransformContext, pad_sequences, train
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import read_sample_ids, scan_parquet
 from elastic_ddp.ledger import audit, format_audit
-from elastic_ddp.tasks.loading import build_model, load_task, preflight, sample_rows
+from elastic_ddp.tasks.dry_run import preflight, sample_rows
+from elastic_ddp.tasks.loading import build_model, load_task
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "examples" / "hf_lm"
 

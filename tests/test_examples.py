@@ -25,7 +25,8 @@ from conftest import mlflow_runs
 from elastic_ddp import TransformContext, train
 from elastic_ddp.config import Config
 from elastic_ddp.data.scan import scan_parquet
-from elastic_ddp.tasks.loading import build_model, load_task, preflight, sample_rows
+from elastic_ddp.tasks.dry_run import preflight, sample_rows
+from elastic_ddp.tasks.loading import build_model, load_task
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "experiments" / "examples"

@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 def controller(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ElasticEvents
+
+    from elastic_ddp.controller.lifecycle import ControllerEvents
     from elastic_ddp.tracking import JobTracker
 
     uri = mlflow_store

@@ -48,7 +48,9 @@ def controller(tmp_path, mlflow_store):
     controller's callbacks, called in Ray Train's order, in this process)."""
     from mlflow.tracking import MlflowClient
 
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ElasticEvents
+
+    from elastic_ddp.controller.lifecycle import ControllerEvents
     from elastic_ddp.tracking import JobTracker
 
     uri = mlflow_store

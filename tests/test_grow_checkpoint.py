@@ -120,7 +120,9 @@ def test_a_held_grow_is_dropped_when_its_group_restarted_meanwhile():
 def test_the_resize_event_of_a_grow_names_its_checkpoint_and_starts_at_the_decision(tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ElasticEvents
+
+    from elastic_ddp.controller.lifecycle import ControllerEvents
     from elastic_ddp.tracking import JobTracker
 
     client = MlflowClient(mlflow_store)
@@ -145,8 +147,9 @@ def test_the_resize_event_of_a_grow_names_its_checkpoint_and_starts_at_the_decis
 
 
 def test_the_controller_reads_the_timeout_its_callbacks_set(monkeypatch):
-    from elastic_ddp.controller import events
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller import lifecycle as events
+    from elastic_ddp.controller.events import ElasticEvents
+    from elastic_ddp.controller.lifecycle import ControllerEvents
 
     # The hook's other work patches Ray Train's modules: not in this test's process.
     for name in ("retry_worker_deaths_at_start", "shut_down_failed_starts", "count_notices_as_preemptions"):

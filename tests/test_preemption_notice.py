@@ -191,7 +191,9 @@ def test_ray_trains_failure_policy_charges_a_committed_notice_to_the_preemption_
 def sink(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ElasticEvents
+
+    from elastic_ddp.controller.lifecycle import ControllerEvents
     from elastic_ddp.tracking import JobTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

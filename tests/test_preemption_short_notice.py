@@ -99,7 +99,8 @@ def test_a_rank_killed_after_its_notice_is_a_preemption_that_fell_back(tmp_path,
 
     from conftest import InProcess
     from elastic_ddp.compat.ray_train import count_notices_as_preemptions
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ElasticEvents
+    from elastic_ddp.controller.lifecycle import ControllerEvents
     from elastic_ddp.tracking import JobTracker
 
     pid, t_term, t_kill = _sigterm_then_sigkill(tmp_path)

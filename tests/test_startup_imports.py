@@ -18,7 +18,7 @@ import yaml
 
 from conftest import digits_config
 from elastic_ddp.config import Config
-from elastic_ddp.tasks import loading
+from elastic_ddp.tasks import dry_run, loading
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,17 +68,17 @@ def test_a_model_over_the_cpu_limit_is_still_dry_run_on_the_meta_device(digits_d
         devices.append(str(torch.empty(0).device))
         return real(c, t)
 
-    monkeypatch.setattr(loading, "build_model", spy)
+    monkeypatch.setattr(dry_run, "build_model", spy)
     # Two builds: the count on the meta device, the dry run on the CPU (its module kept,
     # for the final MLflow model).
-    small = loading.preflight(cfg, task, info, None)
+    small = dry_run.preflight(cfg, task, info, None)
     assert devices == ["meta", "cpu"]
     n = sum(p.numel() for p in small.model.parameters())
     assert small.n_params == n and {p.device.type for p in small.model.parameters()} == {"cpu"}
     devices.clear()
     # One build: the dry run runs on the count's meta-device model; nothing is kept.
-    monkeypatch.setattr(loading, "CPU_DRY_RUN_PARAMS", 10)
-    large = loading.preflight(cfg, task, info, None)
+    monkeypatch.setattr(dry_run, "CPU_DRY_RUN_PARAMS", 10)
+    large = dry_run.preflight(cfg, task, info, None)
     assert devices == ["meta"] and large.model is None and large.n_params == n
 
 

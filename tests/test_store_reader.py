@@ -67,8 +67,9 @@ def _rank(rank, ws, init_file, job, env):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws)
     try:
-        from elastic_ddp.checkpoint.manager import (
-            REPLICATED_PARTS, CheckpointManager, replicated_share)
+        from elastic_ddp.checkpoint.manager import CheckpointManager
+        from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
+        from elastic_ddp.checkpoint.state import model_optimizer_state
 
         if job["do"] == "save":
             s = _strategy(ws, 1)  # the same seed on both ranks: a replicated (ddp) state
@@ -79,7 +80,7 @@ def _rank(rank, ws, init_file, job, env):
         from torch.distributed.checkpoint import load as dcp_load
 
         s = _strategy(ws, 7)  # another state, overwritten by the load
-        state = CheckpointManager.model_optimizer_state(s)
+        state = model_optimizer_state(s)
         mine = replicated_share(state, REPLICATED_PARTS["ddp"], rank, ws)
         reader = StoreReader(job["uri"])
         dcp_load(mine, storage_reader=reader)

@@ -15,7 +15,8 @@ from conftest import digits_config
 from helpers import TASK, user_config, write_task
 from elastic_ddp.driver.cli import main
 from elastic_ddp.config import Config
-from elastic_ddp.tasks.loading import TaskError, build_model, load_task, preflight
+from elastic_ddp.tasks.dry_run import preflight
+from elastic_ddp.tasks.loading import TaskError, build_model, load_task
 from elastic_ddp.tasks.protocol import TransformContext, default_collate, pad_sequences
 
 def test_a_task_from_a_file_outside_the_repo_passes_the_dry_run(digits_data, tmp_path):

@@ -86,7 +86,8 @@ def test_git_remote_credentials_never_reach_a_tag(tmp_path):
 
 def test_dataset_input_and_table_in_a_real_store(digits_data, tmp_path, mlflow_store):
     from elastic_ddp.data.scan import scan_parquet
-    from elastic_ddp.tasks.loading import count_params, load_task
+    from elastic_ddp.tasks.dry_run import count_params
+    from elastic_ddp.tasks.loading import load_task
 
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
     uri = mlflow_store

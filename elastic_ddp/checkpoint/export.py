@@ -218,7 +218,7 @@ def read_run_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     import json
 
     from elastic_ddp.checkpoint.layout import RUN_STATE
-    from elastic_ddp.checkpoint.manager import RUN_KEYS
+    from elastic_ddp.checkpoint.state import run_state_of
 
     d = Path(checkpoint_dir)
     if (d / LEGACY_STATE_FILE).is_file():
@@ -227,4 +227,4 @@ def read_run_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         state = load_state(d)
     else:
         state = json.loads((d / RUN_STATE).read_text())
-    return {k: state[k] for k in RUN_KEYS if k in state}
+    return run_state_of(state)

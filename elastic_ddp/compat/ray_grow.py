@@ -158,7 +158,7 @@ def checkpoint_before_grow(policy, controller) -> bool:
     return True
 
 
-# What the job's controller callbacks set (controller.events.ControllerEvents) before the
+# What the job's controller callbacks set (controller.lifecycle.ControllerEvents) before the
 # controller reads it: (timeout_s, the notice to run in each worker, the report metric).
 _grow: Optional[tuple] = None
 

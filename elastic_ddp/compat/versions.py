@@ -86,7 +86,7 @@ OVERRIDES: tuple[Override, ...] = (
              "actor per job (the driver removes a dead controller's placement group)"),
     Override("process_group_backend", "torch-free process-group backend (compat.ray_backend)",
              "the controller never imports torch (about a second of every start and restart)"),
-    Override("controller_events", "controller events (controller.events.ControllerEvents)",
+    Override("controller_events", "controller events (controller.lifecycle.ControllerEvents)",
              "each failure's cause (rank, signal, step) in the run's events, the stop after the "
              "same failure twice, the controller's start-up marks, and a worker death while "
              "its group starts retried rather than fatal, with that group's placement group "

@@ -26,7 +26,7 @@ import threading
 #: Seconds between two checks of the trainer where no pidfd is available.
 POLL_S = 1.0
 # Modules a data worker needs, imported once by the forkserver its workers fork from.
-WORKER_PRELOAD = ["numpy", "pyarrow.parquet", "torch", "ray.data.block", "elastic_ddp.data.workers"]
+WORKER_PRELOAD = ["numpy", "pyarrow.parquet", "torch", "ray.data.block", "elastic_ddp.data.chunks"]
 
 
 def worker_context():

@@ -2,13 +2,14 @@
 windows read and transformed by ``torch.utils.data.DataLoader`` workers on the trainer's
 node, kept for the life of the trainer's process.
 
-    pool = data_workers(info, task)            # one per (task, data set) in a process
-    for item in pool.run(keys):                # a run: chunks read in order, in the workers
-        ...
+    pool = data_workers(info, task)     # one per (task, data set) in a process
+    rid = pool.open(keys)               # a run: chunks read in order, in the workers
+    pool.want(rid, len(keys))
+    batches = pool.take(rid, 0)         # chunk 0's batches, one per window
 
-A run is a list of read chunks (:class:`ChunkKey`: the windows of one read item, the
-epoch's transform seed and split); the workers read ahead within it, runs are served one at
-a time, in the order they ask. :class:`WindowStream` cuts an epoch's windows into rounds of
+A run is a list of read chunks (``data.chunks.ChunkKey``: the windows of one read item,
+the epoch's transform seed and split; what a worker does with one: ``data.chunks``); the
+workers read ahead within it, runs are served one at a time, in the order they ask. :class:`WindowStream` cuts an epoch's windows into rounds of
 chunks (the Ray Data path's cut) and takes each round as one run.
 
 The workers are started once, at the first run, and kept (``persistent_workers``): a new
@@ -26,117 +27,22 @@ import functools
 import itertools
 import os
 import threading
-import warnings
 import weakref
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
-import pyarrow as pa
 
-from elastic_ddp.data.ingest import READ_TASKS, _read_windows, read_chunks, read_task_count
+from elastic_ddp.data.chunks import ChunkFailed, ChunkJobs, ChunkKey, as_is, from_shared
+from elastic_ddp.data.ingest import READ_TASKS, read_chunks, read_task_count
 from elastic_ddp.data.lifetime import watch_trainer, worker_context
 from elastic_ddp.data.order import Window
 from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.tasks.protocol import Task
-from elastic_ddp.tasks.transform import TaskTransform
 
 # Chunks in flight per worker (the DataLoader's prefetch_factor).
 PREFETCH_PER_WORKER = 2
 # Chunks a run may have read past the chunks it asked for (the start of its next round).
 READ_AHEAD_CHUNKS = 2 * PREFETCH_PER_WORKER
-
-
-class ChunkKey(NamedTuple):
-    """One read item: ``windows`` read in order (a row group shared by several read once),
-    each transformed with ``TransformContext(seed, epoch, split, ids)``; the batch of
-    ``windows[i]`` carries ``SEQ = first_seq + i``."""
-
-    seed: int
-    epoch: int
-    split: str
-    first_seq: int
-    windows: tuple[Window, ...]
-
-
-def _to_shared(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Numeric columns as tensors (a DataLoader worker hands a tensor over in shared
-    memory; a numpy array would be pickled through a pipe); object columns as they are."""
-    import torch
-
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, np.ndarray) and v.dtype != object:
-            try:
-                with warnings.catch_warnings():
-                    # Arrow's arrays are read-only; the tensor is only copied into shared
-                    # memory by the handover, never written.
-                    warnings.simplefilter("ignore", UserWarning)
-                    v = torch.from_numpy(np.ascontiguousarray(v))
-            except TypeError:  # a dtype torch has no tensor of: pickled as it is
-                pass
-        out[k] = v
-    return out
-
-
-def _from_shared(batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    import torch
-
-    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _as_is(item):
-    return item
-
-
-def _chunk_jobs(data: bytes) -> "_ChunkJobs":
-    import pickle
-
-    return _ChunkJobs(*pickle.loads(data))
-
-
-class _ChunkJobs:
-    """Map-style dataset keyed by :class:`ChunkKey`: item ``key`` is its windows read
-    (:func:`elastic_ddp.data.ingest._read_windows`) and transformed, one batch per
-    window, numeric columns as tensors."""
-
-    def __init__(self, files: list, schema: pa.Schema, task: Task, id_column: str):
-        self.files, self.schema, self.task, self.id_column = files, schema, task, id_column
-
-    def __reduce__(self):
-        # cloudpickle: a task class defined in a file the workers cannot import by name
-        # (task.path 'file.py:Name') travels by value, as to Ray's tasks.
-        import ray.cloudpickle
-
-        return (_chunk_jobs, (ray.cloudpickle.dumps((self.files, self.schema, self.task, self.id_column)),))
-
-    def read(self, key: ChunkKey) -> list[dict[str, Any]]:
-        from ray.data.block import BlockAccessor
-
-        transform = TaskTransform(self.task, key.seed, key.epoch, key.split, self.id_column)
-        return [_to_shared(transform(BlockAccessor.for_block(t).to_batch_format("numpy")))
-                for t in _read_windows(self.files, self.schema, key.first_seq, list(key.windows))]
-
-    def __getitem__(self, key: ChunkKey):
-        try:
-            return self.read(key)
-        except Exception as e:  # noqa: BLE001 - handed to the run that takes the chunk
-            return _Failed(e)
-
-
-class _Failed:
-    """A chunk whose read or transform raised in a worker: the exception, re-raised by the
-    run that takes the chunk (its type kept, the worker's traceback added as a note)."""
-
-    def __init__(self, error: BaseException):
-        import pickle
-        import traceback
-
-        error.add_note("in a DataLoader worker:\n" + "".join(traceback.format_exception(error)))
-        try:
-            pickle.dumps(error)
-        except Exception:  # noqa: BLE001 - an exception that cannot travel: its text does
-            error = RuntimeError(f"{type(error).__name__}: {error}\n" + "\n".join(getattr(error, "__notes__", [])))
-        self.error = error
 
 
 class _Sampler:
@@ -184,7 +90,7 @@ class DataWorkers:
 
     def __init__(self, info: DatasetInfo, task: Task, workers: int = READ_TASKS):
         self.task, self.info, self.workers = task, info, max(1, workers)
-        self._jobs = _ChunkJobs(info.sources(), info.schema, task, info.id_column)
+        self._jobs = ChunkJobs(info.sources(), info.schema, task, info.id_column)
         self._state = threading.Lock()  # runs, their counters and buffers, the in-flight log
         self._pull = threading.Lock()   # one thread at a time takes from the DataLoader
         self._runs: dict[int, _Run] = {}
@@ -242,7 +148,7 @@ class DataWorkers:
                 r = self._runs[rid]
                 if i in r.items:
                     item = r.items.pop(i)
-                    if isinstance(item, _Failed):
+                    if isinstance(item, ChunkFailed):
                         raise item.error
                     return item
                 if self.broken is not None:
@@ -277,8 +183,8 @@ class DataWorkers:
                 with self._state:
                     owner, j = self._in_flight.popleft()
                     if owner in self._runs:
-                        self._runs[owner].items[j] = item if isinstance(item, _Failed) else \
-                            [_from_shared(x) for x in item]
+                        self._runs[owner].items[j] = item if isinstance(item, ChunkFailed) else \
+                            [from_shared(x) for x in item]
 
     def _data_loader(self):
         from torch.utils.data import DataLoader
@@ -294,7 +200,7 @@ class DataWorkers:
 
             self._loader = DataLoader(
                 self._jobs, batch_size=None, sampler=_Sampler(self), num_workers=self.workers,
-                collate_fn=_as_is, prefetch_factor=PREFETCH_PER_WORKER,
+                collate_fn=as_is, prefetch_factor=PREFETCH_PER_WORKER,
                 persistent_workers=True, multiprocessing_context=self._ctx,
                 generator=torch.Generator().manual_seed(0),
                 worker_init_fn=functools.partial(watch_trainer, os.getpid()))

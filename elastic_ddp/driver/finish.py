@@ -40,7 +40,7 @@ def finish_job(cfg: Config, uri: str, run_id: str, tracker, result, t0: float,
     seconds, start-up and recovery tables into the run, mark it FINISHED, and return the
     :class:`~elastic_ddp.driver.report.Summary`. ``t0``: the job's start (seconds since the
     epoch); ``n_train``: training rows (the fractional epochs of a ``max_steps`` run);
-    ``model``: the module the driver's dry run built on the CPU (``tasks.loading.DryRun``),
+    ``model``: the module the driver's dry run built on the CPU (``tasks.dry_run.DryRun``),
     which takes the final weights for the MLflow model; None: the model is built here.
 
     A run deleted or removed under the job (the tracker found it, or it is found here)
@@ -185,7 +185,7 @@ def _log_mlflow_model(cfg: Config, uri: str, run_id: str, task, weights: dict, s
     be built, loaded or pickled is reported and skipped (the plain ``model/model.pt`` is
     there either way).
 
-    Without a dry-run module (a model over ``tasks.loading.CPU_DRY_RUN_PARAMS``) the
+    Without a dry-run module (a model over ``tasks.dry_run.CPU_DRY_RUN_PARAMS``) the
     model is built on the meta device and takes ``weights``' tensors as its own
     (``load_state_dict(assign=True)``), so the driver holds one copy of the weights, not
     two; a model whose build leaves tensors outside its state dict (non-persistent

@@ -160,7 +160,8 @@ def build_trainer(cfg: Config, job, tracker):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from elastic_ddp.controller.events import ControllerEvents, ElasticEvents
+    from elastic_ddp.controller.events import ElasticEvents
+    from elastic_ddp.controller.lifecycle import ControllerEvents
     from elastic_ddp.worker.entry import train_func
 
     plan = ray_plan()

@@ -14,7 +14,7 @@ from elastic_ddp.config import Config
 
 if TYPE_CHECKING:
     from elastic_ddp.run_state import Diagnostics, JobSpec
-    from elastic_ddp.tasks.loading import DryRun
+    from elastic_ddp.tasks.dry_run import DryRun
 
 
 def check_ray_address() -> None:
@@ -229,7 +229,7 @@ def tracking_uri_field(cfg: Config) -> str:
 class Prepared:
     """What :func:`prepare` found: the loaded task, both splits' scans
     (``data.scan.DatasetInfo``; ``val_info`` None without ``data.val_path``) and the dry
-    run (``tasks.loading.DryRun``: the sample rows, the parameter count, the CPU-built
+    run (``tasks.dry_run.DryRun``: the sample rows, the parameter count, the CPU-built
     model)."""
 
     task: Any
@@ -254,7 +254,8 @@ def prepare(cfg: Config, task=None) -> Prepared:
     from elastic_ddp.data.ingest import epoch_order
     from elastic_ddp.data.scan import DataError, scan_parquet
     from elastic_ddp.driver.storage_checks import check_object_storage
-    from elastic_ddp.tasks.loading import load_task, model_factory, preflight
+    from elastic_ddp.tasks.dry_run import preflight
+    from elastic_ddp.tasks.loading import load_task, model_factory
     from elastic_ddp.tasks.pickling import check_picklable
 
     task = load_task(cfg, task)

@@ -1,4 +1,4 @@
-"""Naming the tensor behind a dtype error of the dry run (``tasks.loading.preflight``).
+"""Naming the tensor behind a dtype error of the dry run (``tasks.dry_run.preflight``).
 
 The trainer casts floating inputs to the model's parameter dtype and the default collate
 turns integers of any width into int64 (``tasks.protocol``); what is left is a tensor of

@@ -147,7 +147,7 @@ def source_tags() -> dict[str, str]:
 
 def task_params(task, n_params: Optional[int]) -> dict[str, Any]:
     """The params only the loaded task knows: ``task`` (its class) and
-    ``model.parameters`` (``n_params``, the dry run's count: ``tasks.loading.DryRun``;
+    ``model.parameters`` (``n_params``, the dry run's count: ``tasks.dry_run.DryRun``;
     left out when None, a model that could not be built). Computed where the task is
     loaded (the driver), so that the process that writes them
     (:mod:`elastic_ddp.tracking.opener`) needs neither torch nor the task's modules."""

@@ -1,10 +1,12 @@
 """The job's tracker actor (:class:`JobTracker`, one per job, holding the MLflow client
-across worker-group restarts) and the workers' fire-and-forget :class:`TrackerClient`."""
+across worker-group restarts): its record of the job (metrics, notices, worker-group
+starts, events, the controller's timeline, node series) kept for the driver and written
+to the run by its writer thread (``tracking.writer``). The actor's start and the
+workers' client: ``tracking.tracker_client``."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any, Optional
 
@@ -13,30 +15,24 @@ from elastic_ddp.tracking.history import FILES, with_earlier
 from elastic_ddp.tracking.node_metrics import NodeSeries
 from elastic_ddp.tracking.totals import SecondsTotals
 from elastic_ddp.tracking.nonfinite import NONFINITE_METRIC, NONFINITE_TAG, NonFiniteRows
-from elastic_ddp.tracking.run_lost import lost_record, lost_state, notice_text
-from elastic_ddp.tracking.store import (ATTEMPTS_TAG, MAX_BUFFERED_METRICS,
-                                        WORLD_SIZES_TAG, display_rank, is_transient, client,
-                                        metric_key, run_info)
-from elastic_ddp.background import start_deferring_signals
-
-# How long the tracker may hold everything back before a first step (see JobTracker).
-STORE_DEFER_S = 30.0
+from elastic_ddp.tracking.store import ATTEMPTS_TAG, WORLD_SIZES_TAG, metric_key
+from elastic_ddp.tracking.writer import RunWriter
 
 
-class JobTracker:
-    """The job's MLflow writer and in-memory record; run as a Ray actor (``num_cpus=0``)
-    by :func:`start_tracker`. Methods are called by workers (rank 0), the controller's
-    callbacks and the driver.
+class JobTracker(RunWriter):
+    """The job's in-memory record and its MLflow writer (:class:`RunWriter`); run as a
+    Ray actor (``num_cpus=0``) by ``tracking.tracker_client.start_tracker``. Methods are
+    called by workers (rank 0), the controller's callbacks and the driver.
 
     Kept for the driver: ``latest`` metrics (progress), ``notices`` (warnings for the
     console, each once: the data-wait warning of :mod:`elastic_ddp.tracking.data_wait`,
     also the run's tag ``elastic_ddp.warning.data_wait`` and ``warnings/data_wait.txt``;
     an event's ``warning``, such as a preemption whose notice was too short; the first
     row of each kind with a non-finite loss, :mod:`elastic_ddp.tracking.nonfinite`),
-    ``attempts`` (per worker-group
-    start: world size and the start-up marks ``enter``/``ready``/``first_step`` in
-    seconds since the epoch, and the first step), ``events`` (failures, resizes) and the
-    controller ``timeline``, and the write counters ``delayed``/``dropped``.
+    ``attempts`` (per worker-group start: world size and the start-up marks
+    ``enter``/``ready``/``first_step`` in seconds since the epoch, and the first step),
+    ``events`` (failures, resizes) and the controller ``timeline``, the node series
+    (``tracking.node_metrics``), and the writer's counters ``delayed``/``dropped``.
 
     A run deleted under the job (:mod:`elastic_ddp.tracking.run_lost`) is found at the
     first write it refuses: ``run_lost`` is set, one notice given, and nothing more is
@@ -51,14 +47,10 @@ class JobTracker:
     def __init__(self, uri: str, run_id: Optional[str] = None, flush_period_s: float = 1.0,
                  attempts_before: int = 0, world_sizes_before: Optional[list] = None,
                  history: Optional[dict[str, list]] = None, data_wait_given: bool = False):
-        self.uri, self.run_id = uri, None
-        self._bound = threading.Event()
+        super().__init__(uri, flush_period_s)
         self._attempts, self._world_sizes = 0, []
-        self._outage_since: Optional[float] = None
-        self.unavailable_s = 0.0
         self._early_updates: dict[int, dict[str, Any]] = {}
         self.latest: dict[str, float] = {}
-        self.notices: list[dict[str, Any]] = []
         self._data_wait = DataWaitWatch()
         self._nonfinite = NonFiniteRows()
         self.seconds = SecondsTotals()  # evaluation, checkpoint blocking, data wait (totals)
@@ -67,31 +59,12 @@ class JobTracker:
         self.attempts: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
-        self.delayed = self.dropped = 0
-        self.last_error: Optional[str] = None
-        self.run_lost: Optional[dict[str, Any]] = None
-        self.fenced: Optional[dict[str, Any]] = None
-        self._fence = None
-        self._metrics: list[tuple[str, float, int, int]] = []
-        self._tags: dict[str, str] = {}
-        self._artifacts: dict[str, str] = {}
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._period = flush_period_s
-        self._client = None
-        self._written = self._requested = 0
-        # MLflow is imported only once the first step is done (or a flush is asked for,
-        # or STORE_DEFER_S passed): at a job's start that import would take turns for the
-        # CPUs with the controller and the workers, which start at the same time. Until
-        # then everything is buffered. (MLflow's system-metrics monitor runs in the
-        # driver's helper process, elastic_ddp.tracking.opener, from the run's opening.)
-        self._go = threading.Event()
         # A resumed run's earlier submissions' events, attempts and timeline: written
         # before this submission's own (tracking.history).
         self._earlier: dict[str, list] = {}
         if run_id is not None:
             self.bind(run_id, attempts_before, world_sizes_before, history, data_wait_given)
-        start_deferring_signals(threading.Thread(target=self._loop, name="mlflow-writer", daemon=True))
+        self.start_writer()
 
     def bind(self, run_id: str, attempts_before: int = 0, world_sizes_before: Optional[list] = None,
              history: Optional[dict[str, list]] = None, data_wait_given: bool = False,
@@ -124,10 +97,11 @@ class JobTracker:
         :func:`metric_key`."""
         ts = int(time.time() * 1000)
         with self._lock:
+            rows = []
             for k, v in metrics.items():
                 key = metric_key(k)
                 if key is not None:
-                    self._metrics.append((key, float(v), ts, int(step)))
+                    rows.append((key, float(v), ts, int(step)))
                 self.latest[k] = float(v)
             self.seconds.add(metrics, step)
             warning = self._data_wait.add(metrics, step)
@@ -135,10 +109,7 @@ class JobTracker:
                 self.notices.append(dict(self._data_wait.fired))
                 self._tags[DATA_WAIT_TAG] = warning
                 self._artifacts["warnings/data_wait.txt"] = warning + "\n"
-            if len(self._metrics) > MAX_BUFFERED_METRICS:
-                extra = len(self._metrics) - MAX_BUFFERED_METRICS
-                del self._metrics[:extra]
-                self.dropped += extra
+            self._buffer(rows)
 
     def nonfinite_rows(self, report: dict[str, Any]) -> None:
         """A rank's rows with a non-finite loss in a skipped step
@@ -160,13 +131,9 @@ class JobTracker:
         with self._lock:
             new = node not in self._nodes.steps
             rows = self._nodes.add(node, sender, metrics, t, interval, info)
-            self._metrics.extend(rows)
+            self._buffer(rows)
             if rows and new and info:
                 self._tags[f"elastic_ddp.node.{node}"] = f"{info.get('node_id', '')} {info.get('ip', '')}".strip()
-            if len(self._metrics) > MAX_BUFFERED_METRICS:
-                extra = len(self._metrics) - MAX_BUFFERED_METRICS
-                del self._metrics[:extra]
-                self.dropped += extra
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         with self._lock:
@@ -253,216 +220,13 @@ class JobTracker:
                     "unavailable_s": round(self.unavailable_s + (
                         time.time() - self._outage_since if self._outage_since else 0.0), 1)}
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until everything sent so far is written; False when the store is still
-        failing after ``timeout_s`` (the rest stays buffered)."""
-        self._go.set()
-        with self._cv:
-            self._requested += 1
-            target = self._requested
-            self._cv.notify_all()
-            return self._cv.wait_for(lambda: self._written >= target, timeout=timeout_s)
 
-    # -- the writer thread ------------------------------------------------------------
-    def _loop(self) -> None:
-        self._go.wait(STORE_DEFER_S)
-        self._bound.wait()  # nothing is written before the run is open
-        backoff = self._period
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._requested > self._written, timeout=backoff)
-                target = self._requested
-                metrics, tags, arts = self._metrics, self._tags, self._artifacts
-                self._metrics, self._tags, self._artifacts = [], {}, {}
-            if self.run_lost is not None or self._fenced():  # no more writes
-                self._done(target, dropped=len(metrics))
-                continue
-            t_try = time.time()
-            try:
-                self._write(metrics, tags, arts)
-                backoff = self._period
-                with self._cv:
-                    self._written = max(self._written, target)
-                    if self._outage_since is not None:
-                        # Everything in the batch that ends an outage waited for it (the
-                        # failed batches are re-queued into it): each value counts once.
-                        self.delayed += len(metrics)
-                        self.unavailable_s += time.time() - self._outage_since
-                        print(f"elastic-ddp tracker: MLflow store back after "
-                              f"{time.time() - self._outage_since:.0f} s; {len(metrics)} delayed "
-                              "metric values written", flush=True)
-                        self._outage_since = None
-                    self._cv.notify_all()
-            except Exception as e:  # noqa: BLE001 - the store is down or locked: retry later
-                if self._found_lost(e, target, len(metrics)):
-                    continue
-                if not is_transient(e):
-                    # The store refuses something in the batch (a metric name it does not
-                    # allow, a value too long): retrying would block every later metric.
-                    metrics, tags, arts = self._drop_refused(metrics, tags, arts)
-                    if not (metrics or tags or arts):
-                        with self._cv:
-                            self._written = max(self._written, target)
-                            self._cv.notify_all()
-                        continue
-                with self._cv:
-                    self._metrics[:0] = metrics
-                    self._tags = {**tags, **self._tags}
-                    self._artifacts = {**arts, **self._artifacts}
-                    self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
-                    if self._outage_since is None:
-                        self._outage_since = t_try
-                        print(f"elastic-ddp tracker: warning: MLflow store unavailable "
-                              f"({self.last_error[:200]}); buffering metrics and retrying", flush=True)
-                backoff = min(10.0, backoff * 2)
+    # -- the writer's hooks (tracking.writer) ------------------------------------------
+    def _step_seen(self) -> int:
+        return int(self.latest.get("step", 0))
 
-    def _fenced(self) -> bool:
-        """Whether another job took the run over (one read of its lease, until it did)."""
-        if self.fenced is None and self._fence is not None:
-            self.fenced = self._fence.lost()
-        return self.fenced is not None
-
-    def _done(self, target: int, dropped: int = 0) -> None:
-        with self._cv:
-            self.dropped += dropped
-            self._written = max(self._written, target)
-            self._cv.notify_all()
-
-    def _found_lost(self, e: Exception, target: int, n_metrics: int) -> bool:
-        """The write failed because the run was deleted or removed: record it, give the
-        notice, drop the batch. False for any other failure (one ``get_run`` asked only
-        for a refusal of that kind)."""
-        state = lost_state(self._client, self.run_id, e) if self._client is not None else None
-        if state is None:
-            return False
-        with self._lock:
-            self.run_lost = lost_record(state, int(self.latest.get("step", 0)))
-            self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
-            self.notices.append({"kind": "run_lost", "step": self.run_lost["step"],
-                                 "message": notice_text(self.run_id, self.run_lost)})
-        self._done(target, dropped=n_metrics)
-        return True
-
-    def _drop_refused(self, metrics, tags, arts):
-        """Write each metric key, tag and artifact on its own; drop (count, warn) what the
-        store refuses. Returns what is left when a transient error interrupts."""
-        items = ([("metric", k, [m for m in metrics if m[0] == k]) for k in dict.fromkeys(m[0] for m in metrics)]
-                 + [("tag", k, v) for k, v in tags.items()] + [("artifact", k, v) for k, v in arts.items()])
-        for i, (kind, key, value) in enumerate(items):
-            try:
-                if kind == "metric":
-                    self._write(value, {}, {})
-                else:
-                    self._write([], {key: value} if kind == "tag" else {}, {key: value} if kind == "artifact" else {})
-            except Exception as e:  # noqa: BLE001 - sorted out below
-                if is_transient(e):
-                    rest = items[i:]
-                    return ([m for kd, _, v in rest if kd == "metric" for m in v],
-                            {k: v for kd, k, v in rest if kd == "tag"},
-                            {k: v for kd, k, v in rest if kd == "artifact"})
-                n = len(value) if kind == "metric" else 1
-                with self._lock:
-                    self.dropped += n if kind == "metric" else 0
-                    self.last_error = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"elastic-ddp tracker: warning: MLflow refused {kind} {key!r} ({n} value(s) "
-                      f"dropped): {str(e).splitlines()[0][:300]}", flush=True)
-        return [], {}, {}
-
-    def _write(self, metrics, tags, arts) -> None:
-        if not (metrics or tags or arts):
-            return
-        from mlflow.entities import Metric, RunTag
-
-        if self._client is None:
-            self._client = client(self.uri)
-        # train/ and val/ first: the Overview's metrics table lists keys in the order the
-        # store first saw them.
-        metrics = sorted(metrics, key=lambda m: (display_rank(m[0]), m[3], m[2]))
+    def _before_write(self, metrics: list[tuple]) -> list[tuple]:
+        """Node series' rows moved to their node's steps (``NodeSeries.shifted``)."""
         if self._nodes.steps:
-            metrics = self._nodes.shifted(metrics, self._client, self.run_id)
-        for i in range(0, len(metrics), 1000):
-            self._client.log_batch(self.run_id, metrics=[Metric(*m) for m in metrics[i:i + 1000]])
-        if tags:
-            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-        for path, text in arts.items():
-            self._client.log_text(self.run_id, text, path)
-
-
-def start_tracker(uri: str, run_id: Optional[str] = None, attempts: Optional[dict[str, Any]] = None):
-    """The job's :class:`JobTracker` actor on the head node (no CPU reserved). Started by
-    the driver as soon as Ray is up, before the run is open, so that its process starts
-    while the driver waits for the MLflow helper rather than beside the Ray Train
-    controller; ``tracker.bind.remote(run_id, **attempts)`` then names the run. With
-    ``run_id`` it is bound at once. ``attempts``: a resumed run's worker-group starts so
-    far (:func:`attempts_so_far`, read from the run's tags)."""
-    import uuid
-
-    import ray
-
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from elastic_ddp.compat.ray_nodes import head_node_id
-
-    # On the head node: its loss ends the cluster anyway, while any worker node may be
-    # removed mid-job. The driver's own node is not enough: a driver connected to a
-    # multi-node cluster on one machine (``ray.cluster_utils``, ``ray start`` several
-    # times) may be attached to a worker node's raylet.
-    cls = ray.remote(num_cpus=0, max_concurrency=8)(JobTracker)
-    return cls.options(
-        name=f"elastic-ddp-tracker-{run_id or uuid.uuid4().hex}", get_if_exists=True,
-        # Hard affinity: with soft=True Ray placed it on a worker node when the head's
-        # worker processes were busy, and removing that node failed the job.
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(uri, run_id, **(attempts or {}) if run_id else {})
-
-
-def attempts_so_far(uri: str, run_id: str) -> dict[str, Any]:
-    tags = run_info(uri, run_id).data.tags
-    try:
-        return {"attempts_before": int(tags.get(ATTEMPTS_TAG, 0)),
-                "world_sizes_before": [int(w) for w in json.loads(tags.get(WORLD_SIZES_TAG, "[]"))]}
-    except (ValueError, TypeError):
-        return {}
-
-
-class TrackerClient:
-    """What a worker holds: fire-and-forget calls to the tracker actor; every method is a
-    no-op when ``enabled`` is False (all ranks but 0), so callers never branch on rank."""
-
-    def __init__(self, actor, enabled: bool = True):
-        self.actor = actor if enabled else None
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.actor is not None:
-            self.actor.log_metrics.remote({k: float(v) for k, v in metrics.items()}, int(step))
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        if self.actor is not None:
-            self.actor.set_tags.remote(tags)
-
-    def attempt(self, **marks: Any) -> None:
-        if self.actor is not None:
-            self.actor.attempt.remote(**marks)
-
-    def event(self, event: dict[str, Any]) -> None:
-        """An event the run keeps (``events/events.json``), e.g. a rejected checkpoint."""
-        if self.actor is not None:
-            self.actor.event.remote(event)
-
-    def nonfinite_rows(self, report: dict[str, Any]) -> None:
-        """This rank's rows with a non-finite loss (``JobTracker.nonfinite_rows``)."""
-        if self.actor is not None:
-            self.actor.nonfinite_rows.remote(report)
-
-    def start_attempt(self, world_size: int) -> Optional[dict[str, Any]]:
-        """Rank 0: count this worker-group start (``JobTracker.start_attempt``); None on
-        other ranks or when the tracker does not answer in 30 s."""
-        if self.actor is None:
-            return None
-        import ray
-
-        try:
-            return ray.get(self.actor.start_attempt.remote(int(world_size)), timeout=30)
-        except Exception:  # noqa: BLE001 - tracking never fails training
-            return None
-
+            return self._nodes.shifted(metrics, self._client, self.run_id)
+        return metrics
