@@ -48,18 +48,15 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-import threading
 import time
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from elastic_ddp import notice
 from elastic_ddp.notice import SOURCES, Preempted
-from elastic_ddp.background import start_deferring_signals
 from elastic_ddp.worker.checkpoint_policy import Due
 
 _NONE = -(2 ** 62)  # "no time" in a MAX over negated milliseconds
