@@ -2,8 +2,8 @@
 one cross-rank reduction that turns per-rank sums into ``*_mean`` / ``*_max`` figures.
 
 Everything except :func:`reduce_mean_max` and :class:`PhaseClock` is a pure function of
-numbers (unit-tested in ``tests/test_metrics.py``). The worker (``worker._train_step``,
-``worker._Window``) measures; this module computes.
+numbers (unit-tested in ``tests/test_metrics.py``). The worker
+(``worker.trainer.Trainer.train_step``, :class:`StepWindow`) measures; this module computes.
 
 How a step is split (per rank, seconds per optimizer step):
 
@@ -21,8 +21,8 @@ How a step is split (per rank, seconds per optimizer step):
 Exposed all-reduce is estimated as ``t(syncing micro-step) - t(no_sync micro-step)``
 (:func:`exposed_allreduce_s`): with gradient accumulation both kinds run inside every
 step; without it the no_sync reference comes from *probe steps* (see
-``worker._train_step``): once per log window the backward runs under ``no_sync`` and the
-flattened gradient is all-reduced explicitly afterwards, which also times the whole,
+``worker.trainer.Trainer.train_step``): once per log window the backward runs under
+``no_sync`` and the flattened gradient is all-reduced explicitly afterwards, which also times the whole,
 un-overlapped all-reduce, the denominator of the achieved bus bandwidth.
 """
 

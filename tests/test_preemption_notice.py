@@ -339,7 +339,8 @@ REPLICA = textwrap.dedent("""
     from torch.distributed import TCPStore
     from elastic_ddp.notice import Preempted
     from elastic_ddp.worker.per_step import ReplicaGroup
-    from elastic_ddp.worker.notice import ReplicaLeave, install_sigterm_handler
+    from elastic_ddp.worker.leave import ReplicaLeave
+    from elastic_ddp.worker.notice import install_sigterm_handler
 
     rank, lighthouse, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     steps, step_s, stop = int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]

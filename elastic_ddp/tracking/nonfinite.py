@@ -1,7 +1,7 @@
 """Rows whose per-sample loss was NaN or infinite: what the console and the MLflow run say.
 
 A training step in which any row's loss is not finite has a non-finite gradient; every
-rank skips that step (``worker.trainer.Trainer._skip_step``: the optimizer does not
+rank skips that step (``worker.update.Update.apply``: the optimizer does not
 step, none of the step's rows update the model). The rank that holds such rows reports
 them (:func:`row_report`) to the tracker actor, which keeps them here:
 

@@ -77,12 +77,10 @@ def train_func(loop_config: dict) -> None:
     sampler = start_node_sampler(job.tracker, job.config.run.name)
     try:
         trainer = Trainer(job, ctx.get_world_rank(), ctx.get_world_size(), rank_device())
-        trainer._t_enter = t_enter
         marks["built"] = time.time()
         trainer.restore(ray.train.get_checkpoint())
         marks["restored"] = time.time()
-        trainer._start_marks = marks
-        trainer.fit()
+        trainer.fit(t_enter, marks)
         trainer.finish()
     except Preempted:
         # Not an error: the checkpoint at a notice is committed, or (per-step mode) the

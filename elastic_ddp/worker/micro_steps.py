@@ -1,12 +1,12 @@
 """The micro-batches of one training step: forward and backward on this rank's share
-(``Trainer.train_step`` calls ``forward_backward`` between the data read and the
-gradient sync), and the BatchNorm buffers a dropped step restores."""
+(``Trainer.train_step`` calls ``MicroSteps.forward_backward`` between the data read and
+the gradient sync), and the BatchNorm buffers a dropped step restores."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -76,64 +76,97 @@ def micro_seed(seed: int, step: int, unit: int) -> int:
     return seed * 1_000_003 + step * 1009 + unit
 
 
-def forward_backward(t, batch: dict, rows: list[int], rank: int, n: int, probe: bool):
-    """Every micro-batch's forward and backward of this rank's share of a step of ``n``
-    rows (``rows[r]``: rank ``r``'s rows; ``rank``: this rank's index among them), each
-    micro-batch's per-sample loss weighted by ``t.ft.loss_weight(n)`` and seeded by
-    :func:`micro_seed`. At world size 1 with shards (``batching.shard_count``) the
-    shards' gradients are added last (:func:`micro_batches`, ``_ShardSum``).
+@dataclass
+class MicroResult:
+    """What the micro-batches of a step leave for the rest of it.
 
-    ``t``: the rank's ``Trainer``. Returns ``(sums, bn_saved)``: per micro-batch (loss sum,
-    {metric: sum}, rows), and the BatchNorm buffers to restore if the step is dropped
-    (None without BatchNorm)."""
-    s, task, w, clock = t.strategy, t.task, t.window, t.window.clock(t.device)
-    shards = t.plan.shards
-    shard_rows = (t.loader.order.shard_index(t.progress.cursor, n, shards)
-                  if len(rows) == 1 and shards > 1 and n > 0 else None)
-    micros = micro_batches(rows, rank, t.cfg.batch.micro_batch_size, shard_rows)
-    weight = t.ft.loss_weight(n)
-    bn_saved = save_bn(s.module) if t.has_batchnorm else None
-    autocast = torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=t.cfg.parallel.bf16)
-    sums: list[tuple[float, dict, int]] = []
-    held = _ShardSum(s.module)
-    for i, mb in enumerate(micros):
-        t0 = clock.start()
-        # An empty share still runs forward and backward (every rank joins every
-        # all-reduce): on the one-row sample, weighted 0, so tasks never see B = 0.
-        part = {k: v[mb.rows] for k, v in batch.items()} if mb.count else t.job.sample["train"]
-        tensors = t.to_device(task.collate(part))
-        clock.stop("data", t0)
-        ctx, kind = s.micro_step(i == len(micros) - 1, probe)
-        torch.manual_seed(micro_seed(t.cfg.seed, t.progress.step, mb.unit))
-        t0 = clock.start()
-        with ctx, batchnorm_guard(s.model, mb.smallest), autocast:
-            loss_vec, extra = split_loss(task.loss(s.model, tensors), max(1, mb.count))
-            (loss_vec.float().sum() * (weight if mb.count else 0.0)).backward()
-        if mb.shard_end:
-            held.set_aside()
-        clock.stop(kind, t0)
-        w.micro[kind] = w.micro.get(kind, 0) + 1
-        tokens = task.tokens(tensors) if mb.count else None
-        if tokens is not None:
-            w.tokens += tokens
-            w.token_task = True
-        # .item() is a device sync; free on CPU, one per micro-step on GPU.
-        if mb.count:
-            loss_sum = float(loss_vec.detach().float().sum())
-            if not math.isfinite(loss_sum):  # rare: the rows to name in the skip's message
-                ids, losses = nonfinite_rows(loss_vec, part[t.job.train.id_column])
-                t.nonfinite_ids.extend(ids)
-                t.nonfinite_losses.extend(losses)
-            sums.append((loss_sum, {k: float(v.detach().float().sum()) for k, v in extra.items()},
-                         mb.count))
-        else:
-            # An empty share still names the task's metrics: every rank must send the
-            # same keys to the window's all-reduce (metrics.StepWindow.reduce).
-            sums.append((0.0, {k: 0.0 for k in extra}, 0))
-    held.add_back()
-    if w.grad_bytes is None:
-        w.grad_bytes = gradient_bytes(s.model.parameters())
-    return sums, bn_saved
+    Attributes:
+        sums: per micro-batch (loss sum, {metric: sum}, rows) over its rows.
+        bn_saved: the BatchNorm buffers to put back if the step is dropped or skipped
+            (``restore_bn``; None without BatchNorm).
+        nonfinite_ids, nonfinite_losses: this rank's rows of the step whose per-sample
+            loss was not finite (their ids, in row order) and those losses.
+    """
+
+    sums: list[tuple[float, dict, int]]
+    bn_saved: Optional[list] = None
+    nonfinite_ids: list = field(default_factory=list)
+    nonfinite_losses: list[float] = field(default_factory=list)
+
+
+class MicroSteps:
+    """Forward and backward of this rank's share of every step (``forward_backward``).
+
+    Args:
+        strategy: the rank's ``parallel.strategies`` strategy (model, ``micro_step``).
+        task: the job's task (``collate``, ``loss``, ``tokens``).
+        cfg: the job's config (``batch.micro_batch_size``, ``parallel.bf16``, ``seed``).
+        device: this rank's device.
+        to_device: a collated batch onto the device (``tasks.protocol.model_inputs``).
+        sample: the one-row sample an empty share computes on (``JobSpec.sample["train"]``).
+        id_column: the training split's id column (names non-finite rows).
+        loss_weight: the per-sample loss weight of a step of ``n`` rows (``ft.loss_weight``).
+    """
+
+    def __init__(self, strategy, task, cfg, device, to_device: Callable[[dict], dict], sample: dict,
+                 id_column: str, loss_weight: Callable[[int], float]):
+        self.strategy, self.task, self.cfg, self.device = strategy, task, cfg, device
+        self.to_device, self.sample, self.id_column = to_device, sample, id_column
+        self.loss_weight = loss_weight
+        self.has_batchnorm = any(isinstance(m, BatchNormBase) for m in strategy.module.modules())
+
+    def forward_backward(self, batch, step: int, probe: bool, w) -> MicroResult:
+        """Every micro-batch's forward and backward of this rank's share of ``batch``
+        (a ``rank_loader.StepBatch`` of ``n`` rows) at ``step`` (0-based: the step being
+        computed is ``step + 1``), each micro-batch's per-sample loss weighted by
+        ``loss_weight(n)`` and seeded by :func:`micro_seed`. At world size 1 with shards
+        (``batching.shard_count``) the shards' gradients are added last
+        (:func:`micro_batches`, ``_ShardSum``). ``probe``: the strategy's probe step (its
+        explicit all-reduce). ``w``: the ``metrics.StepWindow`` the times and counts go to."""
+        s, task, clock, n = self.strategy, self.task, w.clock(self.device), batch.n
+        micros = micro_batches(batch.rows, batch.rank, self.cfg.batch.micro_batch_size, batch.shard_rows)
+        weight = self.loss_weight(n)
+        out = MicroResult([], save_bn(s.module) if self.has_batchnorm else None)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.parallel.bf16)
+        held = _ShardSum(s.module)
+        for i, mb in enumerate(micros):
+            t0 = clock.start()
+            # An empty share still runs forward and backward (every rank joins every
+            # all-reduce): on the one-row sample, weighted 0, so tasks never see B = 0.
+            part = {k: v[mb.rows] for k, v in batch.columns.items()} if mb.count else self.sample
+            tensors = self.to_device(task.collate(part))
+            clock.stop("data", t0)
+            ctx, kind = s.micro_step(i == len(micros) - 1, probe)
+            torch.manual_seed(micro_seed(self.cfg.seed, step, mb.unit))
+            t0 = clock.start()
+            with ctx, batchnorm_guard(s.model, mb.smallest), autocast:
+                loss_vec, extra = split_loss(task.loss(s.model, tensors), max(1, mb.count))
+                (loss_vec.float().sum() * (weight if mb.count else 0.0)).backward()
+            if mb.shard_end:
+                held.set_aside()
+            clock.stop(kind, t0)
+            w.micro[kind] = w.micro.get(kind, 0) + 1
+            tokens = task.tokens(tensors) if mb.count else None
+            if tokens is not None:
+                w.tokens += tokens
+                w.token_task = True
+            # .item() is a device sync; free on CPU, one per micro-step on GPU.
+            if mb.count:
+                loss_sum = float(loss_vec.detach().float().sum())
+                if not math.isfinite(loss_sum):  # rare: the rows to name in the skip's message
+                    ids, losses = nonfinite_rows(loss_vec, part[self.id_column])
+                    out.nonfinite_ids.extend(ids)
+                    out.nonfinite_losses.extend(losses)
+                out.sums.append((loss_sum, {k: float(v.detach().float().sum()) for k, v in extra.items()},
+                                 mb.count))
+            else:
+                # An empty share still names the task's metrics: every rank must send the
+                # same keys to the window's all-reduce (metrics.StepWindow.reduce).
+                out.sums.append((0.0, {k: 0.0 for k in extra}, 0))
+        held.add_back()
+        if w.grad_bytes is None:
+            w.grad_bytes = gradient_bytes(s.model.parameters())
+        return out
 
 
 def nonfinite_rows(loss_vec: torch.Tensor, ids) -> tuple[list, list[float]]:

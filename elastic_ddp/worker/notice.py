@@ -2,18 +2,13 @@
 every rank learns it at a step boundary at most about ``interval_s`` plus one step after
 it (below), a checkpoint is committed there, and
 every rank raises ``notice.Preempted`` (``elastic_ddp.notice``: the kinds and what the
-controller does). ``per_step`` mode (:class:`ReplicaLeave`): the noticed replica takes
-part in one more step, leaves its quorum after it and raises it alone.
+controller does). ``per_step`` mode (``worker.leave.ReplicaLeave``): the noticed replica
+takes part in one more step, leaves its quorum after it and raises it alone.
 
-    listener = build(trainer)          # restart mode; None: notices are handled as crashes
-    ...after each committed step...
-    if listener is not None and listener.agreed():
-        listener.checkpoint_and_stop()  # raises notice.Preempted
-
-    leave = build_leave(trainer)       # per_step mode; None: notices are handled as crashes
-    ...before each step's quorum...
-    if leave.held(): ...               # this step is the replica's last
-    leave.check(step)                  # at the boundary after it: raises notice.Preempted
+    listener = build(job, rank, world_size, device, position)  # restart mode; None: crashes
+    ...after each committed step (worker.checkpoint_policy)...
+    due = listener.due(step)            # the checkpoint at an agreed notice; its then()
+                                        # raises notice.Preempted once it is committed
 
 Agreements: an all-reduce (MAX) of ``6 + world_size`` int64 numbers (the kinds noted on
 each rank, the earliest notice and deadline, the rank's wall time per step in microseconds, which ranks
@@ -46,42 +41,23 @@ controller's ``preemption`` event (``fell_back``) says how many steps that recom
 SIGTERM is also written into the rank's position record at once, so that the controller
 knows a rank killed before the checkpoint had been given notice.
 
-Per-step mode needs no agreement: every step is already agreed by its quorum, and a
-replica that stops asking for quorums is dropped by torchft's lighthouse once its
-heartbeat is older than ``heartbeat_timeout_ms`` (``per_step.LIGHTHOUSE``; torchft
-0.2.0 has no call that leaves a quorum). At the first step boundary with a notice held,
-the replica takes part in one more step, stopping its torchft Manager (its heartbeat) as
-soon as that step's quorum is decided (``per_step.ReplicaGroup.begin``; after the
-step's all-reduce where the members changed, as a healer needs its source's Manager);
-after that step (and the checkpoint there, if one is due: ``ray.train.report`` is a
-barrier over every replica) :meth:`ReplicaLeave.check` raises ``Preempted(left=True)``.
-The others' next quorum forms without it once its last heartbeat expires, which the step
-computed in between hides in part, and no step is redone: that step was committed by its
-whole quorum, and the next quorum's participants split the next steps' rows among
-themselves. Sources: its own SIGTERM (the same handler as above) and a drain of its own
-node, which a thread of the replica asks the GCS about every
-``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S`` seconds (1; ``compat.ray_train.node_drain``: Ray
-Train runs no preemption watcher for replica groups). The driver's stop is not a leave:
-it rides in every step's all-reduce and every replica stops after the same committed step
-(``per_step.PerStepFaultTolerance.stop_here``). Costs: one dict read per step, and
-one GCS call a second per replica.
+Per-step mode: ``worker.leave`` (the noticed replica leaves its quorum).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
-import threading
 import time
-from typing import Callable, Optional
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from elastic_ddp import notice
 from elastic_ddp.notice import SOURCES, Preempted
-from elastic_ddp.background import start_deferring_signals
+from elastic_ddp.worker.checkpoint_policy import Due
 
 _NONE = -(2 ** 62)  # "no time" in a MAX over negated milliseconds
 
@@ -99,15 +75,17 @@ def agreement_every(step_s: float, interval_s: float = AGREE_EVERY_S) -> int:
     return max(1, int(interval_s / step_s))
 
 
-def build(trainer) -> Optional["NoticeListener"]:
-    """The listener of ``trainer``'s job, or None where notices are handled as crashes
-    (``scaling.preemption_checkpoint`` off, per-step mode, or a Ray without the
-    preemption support: ``JobSpec.preemption`` is set by the driver)."""
-    cfg = trainer.cfg
-    if not (getattr(trainer.job, "preemption", False) and cfg.scaling.preemption_checkpoint
+def build(job, rank: int, world_size: int, device, position=None) -> Optional["NoticeListener"]:
+    """The listener of ``job`` (a ``JobSpec``) on rank ``rank`` of ``world_size``, or
+    None where notices are handled as crashes (``scaling.preemption_checkpoint`` off,
+    per-step mode, or a Ray without the preemption support: ``JobSpec.preemption`` is
+    set by the driver). ``position``: the rank's ``positions.Position``."""
+    cfg = job.config
+    if not (getattr(job, "preemption", False) and cfg.scaling.preemption_checkpoint
             and cfg.scaling.fault_tolerance == "restart"):
         return None
-    listener = NoticeListener(trainer, interval_s=cfg.scaling.notice_agreement_s)
+    where = SimpleNamespace(rank=rank, world_size=world_size, device=device, position=position)
+    listener = NoticeListener(where, interval_s=cfg.scaling.notice_agreement_s)
     listener.park_s = cfg.scaling.grow_checkpoint_timeout_s + 60.0
     return listener
 
@@ -140,8 +118,9 @@ def install_sigterm_handler() -> None:
 
 
 class NoticeListener:
-    """See the module docstring. ``trainer``: the rank's ``Trainer`` (its rank, world
-    size, device, progress and ``checkpoint``). ``install``: put the SIGTERM handler in
+    """See the module docstring. ``trainer``: where the listener runs (its ``rank``,
+    ``world_size``, ``device`` and, if set, ``position``: the rank's
+    ``positions.Position``; ``build`` makes it). ``install``: put the SIGTERM handler in
     the Ray Train worker's main thread (False: the caller installs it, outside Ray).
     ``interval_s``: the wall time the agreements are spread over (default
     :data:`AGREE_EVERY_S`; 0: one agreement per step boundary)."""
@@ -246,32 +225,32 @@ class NoticeListener:
                 "deadline_t": -vec[k + 1] / 1000.0 if vec[k + 1] != _NONE else None,
                 "ranks": [r for r in range(self.world_size) if vec[k + 3 + r]]}
 
-    def checkpoint_and_stop(self, agreed: dict) -> None:
-        """Commit the checkpoint of the current step (synchronously: an asynchronous one
-        in flight is finished first) and raise :class:`Preempted` on this rank. A
-        ``grow`` notice alone: the checkpoint's report carries ``notice.GROW_METRIC``
-        and the rank waits (:meth:`wait_for_teardown`) for the controller to tear the
-        group down and start the larger one from it.
-
-        Raises:
-            Preempted: once the checkpoint is committed on every rank (after a grow's
-                checkpoint: only if the wait ends without the teardown)."""
-        t = self.t
+    def due(self, step: int) -> Optional[Due]:
+        """At the boundary after step ``step``, on every rank (:meth:`agreed`): the
+        checkpoint an agreed notice makes due (synchronous, the run's last of this
+        attempt), whose ``then`` raises :class:`Preempted` on this rank once it is
+        committed; None without one. A ``grow`` notice alone: the checkpoint's report
+        carries ``notice.GROW_METRIC`` and the rank waits (:meth:`wait_for_teardown`)
+        for the controller to tear the group down and start the larger one from it
+        (``Preempted`` only if the wait ends without the teardown)."""
+        agreed = self.agreed()
+        if agreed is None:
+            return None
         self._finish()  # none in flight once a notice is read (agreed() starts none then)
-        step = t.progress.step
         # The driver's stop wins (the job ends), then a drain (its deadline is known); a
         # planned grow only where nothing else came.
         source = next(s for s in ("stop", "drain", "sigterm", "grow") if s in agreed["sources"])
+
+        def stop() -> None:
+            got = self.wait_for_teardown(self.park_s) if source == "grow" else source
+            raise Preempted(got, step, agreed["noticed_t"], agreed["deadline_t"], time.time(),
+                            tuple(agreed["ranks"]), self.rank)
+
         if source == "grow":
-            t.log(f"grow notice at step {step}: committing a checkpoint; the group restarts larger from it")
-        else:
-            t.log(f"{source} notice at step {step} (ranks {agreed['ranks']}): committing a checkpoint")
-        t.checkpoint({notice.GROW_METRIC: 1.0} if source == "grow" else {}, final=True)
-        t.ledger.close()
-        if source == "grow":
-            source = self.wait_for_teardown(self.park_s)
-        raise Preempted(source, step, agreed["noticed_t"], agreed["deadline_t"], time.time(),
-                        tuple(agreed["ranks"]), self.rank)
+            line = f"grow notice at step {step}: committing a checkpoint; the group restarts larger from it"
+            return Due("grow", line=line, metrics={notice.GROW_METRIC: 1.0}, final=True, then=stop)
+        line = f"{source} notice at step {step} (ranks {agreed['ranks']}): committing a checkpoint"
+        return Due("notice", line=line, final=True, then=stop)
 
     #: Seconds a rank waits after a grow's checkpoint for the controller's teardown
     #: (``scaling.grow_checkpoint_timeout_s`` plus this, set by :func:`build`).
@@ -297,105 +276,3 @@ class NoticeListener:
                 return "drain"
             time.sleep(poll_s)
         return "grow"
-
-# ------------------------------------------------------------------------ per-step mode
-def build_leave(trainer) -> Optional["ReplicaLeave"]:
-    """The leave of ``trainer``'s replica (``per_step`` mode), or None where notices are
-    handled as crashes (``scaling.preemption_checkpoint`` off, ``restart`` mode, or a
-    Ray without the preemption support: ``JobSpec.preemption``)."""
-    cfg = trainer.cfg
-    if not (getattr(trainer.job, "preemption", False) and cfg.scaling.preemption_checkpoint
-            and cfg.scaling.fault_tolerance == "per_step"):
-        return None
-    import ray
-
-    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    poll_s = float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1"))
-    return ReplicaLeave(trainer.rank, trainer.world_size, node_id=node, poll_s=poll_s)
-
-
-class DrainWatch:
-    """A daemon thread asking the GCS every ``poll_s`` seconds whether node ``node_id``
-    (hex) is being drained (``compat.ray_train.node_drain``); the first yes is noted as
-    a ``drain`` notice and its deadline kept in ``deadline_t`` (seconds since the epoch,
-    or None: no deadline). ``close`` stops it."""
-
-    def __init__(self, node_id: str, poll_s: float = 1.0):
-        self.node_id, self.poll_s = node_id, poll_s
-        self.deadline_t: Optional[float] = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="elastic-ddp-drain-watch", daemon=True)
-        start_deferring_signals(self._thread)
-
-    def _run(self) -> None:
-        from elastic_ddp.compat.ray_train import node_drain
-
-        while not self._stop.is_set():
-            info = node_drain(self.node_id)
-            if info is not None:
-                self.deadline_t = info["deadline_t"]
-                notice.note("drain")  # after deadline_t is set: whoever sees it sees both
-                return
-            self._stop.wait(self.poll_s)
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-class ReplicaLeave:
-    """``per_step`` mode: this replica's own notices make it leave at the next step
-    boundary (the module docstring). ``rank``/``world_size``: this replica among the
-    job's; ``node_id``: its Ray node (None: no drain watch); ``install``: put the
-    SIGTERM handler in the Ray Train worker's main thread (False: the caller installs
-    it, outside Ray); ``log``: where the one line at the leave goes (stdout: the
-    replica's Ray worker log)."""
-
-    def __init__(self, rank: int, world_size: int, node_id: Optional[str] = None,
-                 poll_s: float = 1.0, install: bool = True,
-                 log: Optional[Callable[[str], None]] = None):
-        self.rank, self.world_size = rank, world_size
-        self.drain = DrainWatch(node_id, poll_s) if node_id else None
-        self._log = log
-        if install:
-            from elastic_ddp.compat.ray_train import run_in_main_thread
-
-            run_in_main_thread(install_sigterm_handler)
-
-    def held(self) -> Optional[dict]:
-        """The notice this replica holds now: ``{"source": "drain" | "sigterm",
-        "noticed_t": s, "deadline_t": s or None}``, or None. A drain wins (its deadline
-        is known); the driver's stop is not this mode's."""
-        held = {k: v for k, v in notice.noted().items() if k in ("drain", "sigterm")}
-        if not held:
-            return None
-        source = "drain" if "drain" in held else "sigterm"
-        deadline = self.drain.deadline_t if (self.drain is not None and source == "drain") else None
-        return {"source": source, "noticed_t": min(held.values()), "deadline_t": deadline}
-
-    def check(self, step: int, before_leave: Optional[Callable[[], None]] = None) -> None:
-        """At a step boundary, before this replica would ask for the next quorum: with a
-        notice held, run ``before_leave`` (e.g. stop the torchft Manager, if the caller has
-        not yet) and leave. ``step``: the last step this replica took part in.
-
-        Raises:
-            Preempted: with ``left=True``, when a notice is held."""
-        got = self.held()
-        if got is None:
-            return
-        if before_leave is not None:
-            before_leave()
-        self.close()
-        left_t = time.time()
-        err = Preempted(got["source"], step, got["noticed_t"], got["deadline_t"], left_t,
-                        (self.rank,), self.rank, left=True)
-        line = f"[rank {self.rank}/{self.world_size}] {err}\n"
-        if self._log is not None:
-            self._log(line)
-        else:
-            sys.stdout.write(line)  # not print: Ray Train patches print() into its logger
-            sys.stdout.flush()
-        raise err
-
-    def close(self) -> None:
-        if self.drain is not None:
-            self.drain.close()

@@ -2,20 +2,45 @@
 rank's ``index`` among the ``n`` ranks sharing a step (the world size in ``restart`` mode;
 the step's quorum in ``per_step`` mode, where the view changes with the quorum).
 
-    loader = RankLoader(job, cfg, plan, world_size)       # by the Trainer
-    loader.ensure(progress, index, n)                     # before each step's read
-    rows = loader.rank_rows(cursor, g, n)                 # every rank's share of the step
-    batch = loader.take(cursor, g)                        # this rank's rows of it
+    loader = RankLoader(job, cfg, plan, world_size, device, mark)   # by the Trainer
+    batch = loader.next_batch(progress, index, n, window)           # one step's StepBatch
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+import numpy as np
+
+from elastic_ddp.batching import step_rows
 from elastic_ddp.data.ingest import LOCAL_FIRST_ROUND_BYTES
 from elastic_ddp.data.readers import open_train_reader
 from elastic_ddp.run_state import Progress
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One optimizer step's data on this rank.
+
+    Attributes:
+        n: the step's global rows (``G``, fewer at an epoch's end).
+        rows: every sharing rank's row count in the step (``rows[r]``: rank ``r``'s).
+        rank: this rank's index among them.
+        columns: this rank's rows, column name -> array (``[rows[rank]]`` each; a
+            healing replica's: empty).
+        ids: the id column of ``columns`` (``[rows[rank]]``).
+        shard_rows: world size 1 with shards: each shard's positions in ``columns``
+            (``EpochOrder.shard_index``); None otherwise.
+    """
+
+    n: int
+    rows: list[int]
+    rank: int
+    columns: dict
+    ids: np.ndarray
+    shard_rows: Optional[list[np.ndarray]] = None
 
 # Readers of other data views of the epoch a rank keeps (RankLoader.ensure): its
 # full-quorum view and the view of a quorum one replica short.
@@ -27,13 +52,50 @@ class RankLoader:
     reader (None before the first ``ensure``); ``next_row``: the position its next read
     starts at."""
 
-    def __init__(self, job, cfg, plan, world_size: int):
+    def __init__(self, job, cfg, plan, world_size: int, device=None,
+                 mark: Optional[Callable[[str, int], None]] = None):
         self.job, self.task, self.cfg, self.plan, self.world_size = job, job.task, cfg, plan, world_size
         self.n_train = job.train.num_rows
+        self.device = device
+        # Where this rank is (Trainer.at: the position record): "data read", "training step".
+        self.mark = mark or (lambda phase, step: None)
         self.order = self.reader = None
         self._key: Optional[tuple] = None
         self.next_row = -1
         self._views: dict[tuple, tuple] = {}  # other views' readers (ensure)
+
+    def next_batch(self, p: Progress, rank: Optional[int], ws: int, window) -> StepBatch:
+        """The step at ``p`` (its cursor, step and epoch): this rank's rows as rank
+        ``rank`` of ``ws`` (None: a replica healing this step computes nothing, its
+        share is empty), the position marks around the read, and the next epoch's
+        reader started where its time has come (:meth:`prefetch_next`). ``window``:
+        the ``metrics.StepWindow`` the read's time goes to (``data``)."""
+        n = step_rows(self.n_train, p.cursor, self.plan.global_batch_size)
+        clock = window.clock(self.device)
+        t = clock.start()
+        if rank is not None:
+            window.data_s += self.ensure(p, rank, ws)
+            rows = self.rank_rows(p.cursor, n, ws)
+            self.mark("data read", p.step + 1)
+            columns = self.take(p.cursor, n)
+            self.mark("training step", p.step + 1)
+            self.prefetch_next(p, rank, ws)
+        else:
+            rows, rank = [0] + [n], 0
+            columns = {k: v[:0] for k, v in self.job.sample["train"].items()}
+        clock.stop("data", t)
+        shards = self.plan.shards
+        shard_rows = (self.order.shard_index(p.cursor, n, shards)
+                      if len(rows) == 1 and shards > 1 and n > 0 else None)
+        return StepBatch(n, rows, rank, columns, np.asarray(columns[self.job.train.id_column]),
+                         shard_rows)
+
+    def warm(self, p: Progress, rank: int, ws: int) -> float:
+        """Open this rank's reader of view ``(rank, ws)`` at ``p`` and read its first round
+        now (``Reader.warm``). Returns the seconds spent opening it."""
+        s = self.ensure(p, rank, ws)
+        self.reader.warm()
+        return s
 
     def rank_rows(self, cursor: int, n: int, ws: int) -> list[int]:
         """Rows of each of the ``ws`` ranks in the step of ``n`` rows at ``cursor``."""

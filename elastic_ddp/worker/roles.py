@@ -54,7 +54,7 @@ class PerStepRoles:
     """``per_step`` mode: participant 0 of the last decided quorum leads (world rank 0
     before this replica's first quorum).
 
-    ``group``: this replica's ``per_step.ReplicaGroup`` (its ``participant``, None
+    ``group``: this replica's ``replica_group.ReplicaGroup`` (its ``participant``, None
     while healing, and ``participants``, 0 before the first quorum)."""
 
     def __init__(self, rank: int, group):
