@@ -18,6 +18,7 @@ from elastic_ddp.run_state import Diagnostics
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_background_write_resumes_from_the_previous_checkpoint(
         ray_cluster, digits_data, tmp_path, mlflow_store):
     from elastic_ddp.checkpoint import MANIFEST

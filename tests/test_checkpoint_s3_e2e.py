@@ -39,6 +39,7 @@ def s3_env(s3_server):
     mp.undo()
 
 
+@pytest.mark.slow
 def test_a_kill_before_the_upload_on_s3_resumes_from_the_previous_checkpoint(
         s3_env, ray_cluster, digits_data, tmp_path, mlflow_store):
     from elastic_ddp.checkpoint import MANIFEST

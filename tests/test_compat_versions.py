@@ -138,6 +138,7 @@ def test_an_override_tested_on_fewer_releases_is_the_only_one_skipped(digits_dat
     assert line.endswith(f"without: {backend}") and "as shipped for these parts" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_job_on_the_stock_path_resumes_a_killed_rank_exactly(ray_cluster, digits_data, tmp_path,
                                                                capfd, untested_ray):

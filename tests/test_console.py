@@ -71,6 +71,7 @@ def test_piped_console_has_no_ray_lines_and_no_colour_codes():
     assert "Started a local Ray instance" in driver_log
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_logs_flag_brings_rays_lines_back():
     p = _run({"ELASTIC_DDP_RAY_LOGS": "1"})
@@ -78,6 +79,7 @@ def test_ray_logs_flag_brings_rays_lines_back():
     assert "Started a local Ray instance" in p.stdout + p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_jobs_console_counts_its_files_and_shows_no_torch_warning(tmp_path):
     """A whole ``elastic-ddp train`` as a user runs it, on a one-file data set: the run's

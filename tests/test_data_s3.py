@@ -125,6 +125,7 @@ def test_each_rank_reads_the_same_rows_in_the_same_order_from_s3(s3, digits_data
         _same(want, got)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_data_reads_the_same_rows_from_s3(s3, digits_data, tmp_path):
     """Ray Data's read tasks, in a Ray of the reading process's own (started with the

@@ -162,6 +162,7 @@ def _run_cli(data: Path, tmp: Path, name: str, sleep_per_row: float, data_cfg: d
     return out + err, run, sorted(fracs)
 
 
+@pytest.mark.slow
 def test_a_run_slower_in_its_data_than_its_step_says_so_once(ray_cluster, digits_data, tmp_path, capsys):
     # Small windows: the sleeping transform paces every step, not only the first.
     console, run, fracs = _run_cli(digits_data, tmp_path, "data-bound", 0.02,
@@ -178,6 +179,7 @@ def test_a_run_slower_in_its_data_than_its_step_says_so_once(ray_cluster, digits
     assert len(fracs) >= WINDOW and fracs[len(fracs) // 2] > THRESHOLD, fracs
 
 
+@pytest.mark.slow
 def test_a_step_bound_run_does_not_warn(ray_cluster, digits_data, tmp_path, capsys):
     # The default windows: each rank's pipeline reads ahead of its steps. The step takes
     # a few tens of ms (its loss sleeps): a step of the digits CNN alone takes about a

@@ -12,6 +12,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from conftest import alive_train_workers, digits_config
 from test_data_wait_warning import SLOW_TASK
 from test_data_workers import gone_within, processes
@@ -31,6 +33,7 @@ def _reading_trainer() -> tuple[int, int, list[int]] | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_leaves_no_forkserver_or_data_workers(ray_cluster, digits_data, tmp_path,
                                                                mlflow_store):
     task_file = tmp_path / "slow_task.py"

@@ -140,6 +140,7 @@ def baseline(cluster, data, tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_baseline_uninterrupted(baseline):
     assert baseline.steps == 23 * EPOCHS
     # 69 small steps: well above chance (0.1 accuracy, ln 10 = 2.30 loss), not converged.
@@ -147,6 +148,7 @@ def test_baseline_uninterrupted(baseline):
         baseline.metrics
 
 
+@pytest.mark.slow
 def test_kill_worker_mid_step(cluster, data, baseline, tmp_path):
     """Rank 1 SIGKILLs itself before step 12 (rank 0 is blocked in that step's
     all-reduce): one restart from the step-10 checkpoint, nothing lost or repeated."""

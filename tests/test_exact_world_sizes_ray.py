@@ -39,6 +39,7 @@ JOB = {"model": {"kwargs": {"hidden": 16, "dropout": 0.1}},
                    "max_failures": 3, "health_check_interval_s": 0.2, "torch_threads": 1}}
 
 
+@pytest.mark.slow
 def test_per_step_quorum_2_1_2_ends_bitwise_as_the_uninterrupted_run(ray_cluster, digits_data, tmp_path):
     cfg = Config.from_dict(digits_config(digits_data, tmp_path, JOB))
     ledger = tmp_path / "ledger"

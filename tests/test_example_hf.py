@@ -138,6 +138,7 @@ def test_loss_ignores_padding_and_autocast_is_off_on_cpu(hf_data, tmp_path):
 
 
 # --------------------------------------------------------------------- Ray, end to end
+@pytest.mark.slow
 def test_hf_lm_survives_a_sigkill_and_round_trips_through_save_pretrained(ray_cluster, hf_data, tmp_path):
     # ~490 documents / 16 per step: ~31 steps in the one epoch; rank 1 dies at step 9,
     # after the checkpoint at step 8.

@@ -190,6 +190,7 @@ def test_lm_loss_ignores_padding(lm_data, tmp_path):
 
 
 # --------------------------------------------------------------------- Ray, end to end
+@pytest.mark.slow
 def test_png_digits_trains_end_to_end(ray_cluster, png_data, tmp_path):
     cfg = _config("digits_png", png_data, tmp_path, "train.epochs=2", "train.log_every_steps=5")
     t0 = time.perf_counter()

@@ -296,6 +296,7 @@ HANG_TASK = UNUSED_TASK.replace('''        self.spare = nn.Linear(64, 10)       
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.ray  # starts its own local Ray in the subprocess
 def test_a_rank_that_hangs_in_its_loss_is_named_not_the_rank_that_timed_out(tmp_path, digits_data):
     task = tmp_path / "user_code" / "hang_task.py"

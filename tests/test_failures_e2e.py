@@ -73,6 +73,7 @@ def _cli(tmp: Path, raw: dict, capsys, *extra) -> tuple[int, str, str]:
 
 
 # ----------------------------------- odd paths, mixed files, a NaN row, a killed rank
+@pytest.mark.slow
 def test_odd_paths_mixed_files_a_nan_row_one_val_row_and_a_killed_rank(ray_cluster, tmp_path, mlflow_store,
                                                                        capsys):
     base = tmp_path / "work #1 ?a b"
@@ -207,6 +208,7 @@ def test_a_cli_job_finishes_through_a_25s_tracking_store_lock(ray_cluster, tmp_p
 
 
 # ------------------------------------------------------- the same death on every attempt
+@pytest.mark.slow
 def test_a_rank_killed_at_the_same_step_every_attempt_stops_after_two(ray_cluster, tmp_path, mlflow_store):
     """Rank 1 is SIGKILLed inside step 3 on every attempt (as the OOM killer does): two
     attempts, not max_failures + 1; the error names the step, the rank and memory; the
@@ -375,6 +377,7 @@ class SlowLoss(CNNClassifier):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.ray  # starts its own local Ray in the subprocess
 def test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_command_resumes(tmp_path):
     """A Ctrl-C in fit() (where Ray Train's own SIGINT handler would sys.exit(0), ending

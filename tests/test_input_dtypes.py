@@ -126,6 +126,7 @@ def test_the_default_collate_widens_integers_and_keeps_images_and_floats():
     assert moved["a"].dtype == torch.int64 and model_inputs(out, "cpu", None)["f"].dtype == torch.float64
 
 
+@pytest.mark.slow
 def test_float64_features_and_int16_labels_train_through_the_cli(ray_cluster, tmp_path, capsys):
     """A real job (one worker, a few steps, validation included) on float64 features and
     int16 labels: it finishes, and the loss falls."""

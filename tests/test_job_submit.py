@@ -133,6 +133,7 @@ def test_auth_headers_follow_rays_token_sources(tmp_path, monkeypatch):
         auth_headers()
 
 
+@pytest.mark.slow
 def test_job_api_requires_the_token(cluster):
     url = f"{cluster.dashboard_url}/api/jobs/"
     token = cluster.token_file.read_text().strip()
@@ -162,6 +163,7 @@ def _checkout(parent: Path, data: Path) -> Path:
     return parent
 
 
+@pytest.mark.slow
 def test_every_listener_of_the_cluster_is_on_loopback(cluster):
     """Every TCP listener of every process of both nodes (GCS, raylets, dashboard, agents,
     client server, metrics servers, workers) is on 127.0.0.0/8, and none of the processes
@@ -194,6 +196,7 @@ def test_every_listener_of_the_cluster_is_on_loopback(cluster):
     assert oct(cluster.token_file.stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.slow
 def test_submit_wait_trains_on_the_two_node_cluster(cluster, digits_data, tmp_path):
     """The CLI run from another directory on a config of another checkout: the checkout
     is found from the config, its relative data/storage paths and the default MLflow
@@ -274,6 +277,7 @@ def test_documented_ray_job_submit_line_trains(cluster, digits_data, tmp_path):
     assert sorted((root / "ray_results" / "documented-line").glob("checkpoint_*"))
 
 
+@pytest.mark.slow
 def test_credentials_in_the_submitters_env_stay_out_of_the_job(cluster, tmp_path):
     """A tracking URI with a password in the submitter's environment appears nowhere in
     what the cluster stores about the job (runtime env, entrypoint, metadata: what

@@ -29,6 +29,7 @@ def _cli() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "elastic_ddp"]
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_run_deleted_while_training_trains_on_and_exits_3_naming_the_fix(digits_data, tmp_path, mlflow_store):
     from mlflow.tracking import MlflowClient

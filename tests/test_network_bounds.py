@@ -291,6 +291,7 @@ def _gcs_pid(head_pid: int) -> int:
     raise AssertionError(f"no gcs_server under pid {head_pid}")
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_ray_cluster_whose_gcs_is_frozen_exits_2_within_the_bound(tmp_path, digits_data):
     """The head of a real cluster whose GCS stops answering (SIGSTOP: a frozen VM, a GC

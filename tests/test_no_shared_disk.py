@@ -88,6 +88,7 @@ def _assert_ledger_clean(ledger: Path, data: Path, epochs: int = 3) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_local_paths_do_not_reach_the_nodes(nodisk_cluster, digits_data, tmp_path):
     """Data and storage under the driver's tmp dir: the workers, on nodes without that
     dir, cannot train; the job ends with an error naming the missing data file within

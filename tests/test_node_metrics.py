@@ -128,6 +128,7 @@ def test_one_worker_of_a_node_samples_and_another_takes_over_when_it_ends():
 
 
 # --------------------------------------------------------------------------- Ray
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_two_node_run_holds_system_metrics_of_both_worker_nodes(digits_data, mlflow_store, tmp_path,
                                                                    monkeypatch):

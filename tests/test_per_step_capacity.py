@@ -58,6 +58,7 @@ def _commits_after(ledger: Path, t: float, started_after: float = 0.0) -> list[d
             for r in recs if "commit" in r and r.get("t", 0) > t]
 
 
+@pytest.mark.slow
 def test_per_step_a_replica_killed_while_its_peer_waits_for_capacity_restarts_on_its_own_node(
         cluster, data, tmp_path):
     from elastic_ddp.config import Config

@@ -56,6 +56,7 @@ SCENARIO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_poller_makes_no_ray_call_after_shutdown_or_after_its_exit():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_AUTO_CONNECT")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])

@@ -201,7 +201,7 @@ def test_a_worker_error_after_an_in_process_first_round_reaches_the_step(tmp_pat
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("order,data", [CASES[0], CASES[3]])
+@pytest.mark.parametrize("order,data", [CASES[0], pytest.param(*CASES[3], marks=pytest.mark.slow)])
 def test_dataloader_reader_matches_the_ray_data_reader(tmp_path, ray_cluster, order, data):
     """The same rows in the same order as Ray Data's read and transform tasks: from the
     start at 3 ranks, from a mid-epoch cursor at 3, and from that cursor at 2."""
@@ -239,6 +239,7 @@ class Assigned(Noisy):
         return {**out, "cpus": np.full(len(out["x"]), cpus, dtype=np.float64)}
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_task_cpus_reserve_cpus_and_none_when_training_holds_them(tmp_path, ray_cluster, caplog,
                                                                   monkeypatch):

@@ -240,6 +240,7 @@ def test_two_cli_jobs_of_one_run_started_together_one_trains_the_other_is_refuse
     assert not (tmp_path / "ray_results" / ".leases").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_job_whose_driver_was_killed_is_resumed_by_the_next_taking_its_lease(tmp_path, digits_data):
     cfg = _job_config(tmp_path, digits_data, "phoenix", 200)

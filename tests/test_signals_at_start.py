@@ -76,6 +76,7 @@ def test_a_signal_in_the_users_code_before_the_start_is_the_signal_not_a_task_er
     assert mlflow_runs(tmp_path) == [] and not (tmp_path / "ray_results").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.ray  # the sweep starts its local Ray before its first child
 def test_sigterm_in_a_sweeps_child_before_its_start_closes_the_parent_run_killed(tmp_path):
     """A sweep's parent MLflow run is open while a child job starts: SIGTERM in the

@@ -29,6 +29,7 @@ def _cli_cmd() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "elastic_ddp"]
 
 
+@pytest.mark.slow
 def test_sigterm_before_the_trainer_is_built_exits_143_with_no_run_left_running(digits_data, tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(digits_config(digits_data, tmp_path, {

@@ -224,6 +224,7 @@ def test_digits_cnn_two_workers_one_mlflow_run(ray_cluster, digits_data, tmp_pat
 
 
 # ------------------------------------------------------------------------------- (b)
+@pytest.mark.slow
 def test_gpt_bytes_loss_drops(ray_cluster, pycode_data, tmp_path):
     cfg = Config.from_dict(pycode_config(pycode_data, tmp_path))
     t0 = time.perf_counter()
@@ -245,6 +246,7 @@ def test_gpt_bytes_loss_drops(ray_cluster, pycode_data, tmp_path):
     assert summary.metrics["val_bpb"] == pytest.approx(summary.metrics["val_loss"] / math.log(2))
 
 
+@pytest.mark.slow
 def test_batchnorm_mlp_with_one_row_per_rank_trains(ray_cluster, digits_data, tmp_path):
     """A global batch of 3 over 2 workers (policy ``uneven``): rank 1 holds one row every
     step. BatchNorm1d raises on a 1-row batch in training mode; the worker's guard (the
@@ -292,13 +294,11 @@ def resize_reference(digits_data, tmp_path_factory):
     return {k + 1: v for k, v in enumerate(losses)}, acc, n_val
 
 
-# One case in the default suite (~80 s: two Ray jobs); the other three are slow-marked.
-# tests/test_parallel.py covers all four on gloo groups in the default suite.
-@pytest.mark.parametrize("strategy,resume_ws", [
-    ("zero1", 3),
-    pytest.param("fsdp", 1, marks=pytest.mark.slow),
-    pytest.param("zero1", 1, marks=pytest.mark.slow), pytest.param("fsdp", 3, marks=pytest.mark.slow),
-])
+# Slow (~45 s a case: two Ray jobs). The default suite proves the resize on gloo groups:
+# every strategy written at 2 and resumed at 1 and 3 (the parallel and sharded-checkpoint
+# unit tests).
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,resume_ws", [("zero1", 3), ("fsdp", 1), ("zero1", 1), ("fsdp", 3)])
 def test_sharded_checkpoint_from_2_workers_resumes_at(resize_reference, ray_cluster, digits_data,
                                                       tmp_path, strategy, resume_ws):
     from elastic_ddp import TrainingError
@@ -368,6 +368,7 @@ class CountedDigits(Digits):
 '''
 
 
+@pytest.mark.slow
 def test_the_driver_builds_the_model_at_most_twice_per_job(ray_cluster, digits_data, tmp_path):
     import os
 
