@@ -206,7 +206,7 @@ def s3_proxy(s3_server):
     """The session's :class:`S3FaultProxy` in front of ``s3_server`` (forwarding all
     until a test adds a rule through ``s3_faults``). The no-disk cluster's nodes reach
     the S3 server through it."""
-    from s3_fault_proxy import S3FaultProxy
+    from helpers.s3_fault_proxy import S3FaultProxy
 
     proxy = S3FaultProxy(s3_server).start()
     try:
