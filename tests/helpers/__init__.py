@@ -294,6 +294,21 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+def exits_cleanly(fn):
+    """A rank body that ends with ``os._exit(0)`` once it returned: gloo's C++ threads can
+    abort a clean interpreter exit (an exception still propagates to torch's spawn)."""
+    import functools
+    import os
+
+    @functools.wraps(fn)
+    def run(*args):
+        fn(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return run
+
+
 def wait_until(pred, timeout: float) -> None:
     end = time.time() + timeout
     while not pred():

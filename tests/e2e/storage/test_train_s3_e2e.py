@@ -59,8 +59,8 @@ def test_the_digits_job_trains_from_s3_as_from_local_disk(s3, digits_data, tmp_p
     losses, model = replay_plain_torch(local, digits_data)
     assert first.step == 1 and first.value == pytest.approx(losses[0], rel=1e-5)
 
-    from test_train_e2e import _val_accuracy_of
+    from helpers.models import val_accuracy_of
 
-    acc, n_val = _val_accuracy_of(model, digits_data / "val")
+    acc, n_val = val_accuracy_of(model, digits_data / "val")
     assert abs(acc - summary["metrics"]["val_acc"]) <= 2.0 / n_val + 1e-12, (acc, summary["metrics"])
     assert summary["metrics"]["val_acc"] >= 0.85

@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from conftest import digits_config, mlflow_runs, pycode_config, replay_plain_torch
 from helpers import TASK, user_config, write_task
+from helpers.models import val_accuracy_of
 from elastic_ddp.config import Config
 from elastic_ddp import train
 from elastic_ddp.tasks.loading import build_model, load_task
@@ -63,19 +63,7 @@ def _val_accuracy_plain_torch(cfg: Config, state_dict: dict, val_dir: Path) -> t
     """Accuracy of a plain (non-DDP) model on every row of the val Parquet files."""
     model = build_model(cfg, load_task(cfg))
     model.load_state_dict(state_dict)  # strict: no missing or "module."-prefixed keys
-    return _val_accuracy_of(model, val_dir)
-
-
-def _val_accuracy_of(model: torch.nn.Module, val_dir: Path) -> tuple[float, int]:
-    """Accuracy of ``model`` (called on [B, 64] float rows) on every val row."""
-    files = sorted(val_dir.glob("*.parquet"))
-    x = np.concatenate([np.stack(pq.read_table(f, columns=["x"])["x"].to_numpy(zero_copy_only=False))
-                        for f in files]).astype(np.float32)
-    y = np.concatenate([pq.read_table(f, columns=["y"])["y"].to_numpy() for f in files])
-    model.eval()
-    with torch.no_grad():
-        pred = model(torch.from_numpy(x)).argmax(-1).numpy()
-    return float((pred == y).mean()), len(y)
+    return val_accuracy_of(model, val_dir)
 
 
 def _check_run_reads_well(client, run, summary, cfg: Config, data: Path, tmp: Path) -> None:
@@ -134,7 +122,7 @@ def _check_run_reads_well(client, run, summary, cfg: Config, data: Path, tmp: Pa
     assert [o.model_id for o in run.outputs.model_outputs] == [summary.model_id]
     mlflow.set_tracking_uri(client.tracking_uri)
     model = mlflow.pytorch.load_model(f"models:/{summary.model_id}")
-    acc, n_val = _val_accuracy_of(model, data / "val")
+    acc, n_val = val_accuracy_of(model, data / "val")
     assert abs(acc - summary.metrics["val_acc"]) <= 1.0 / n_val + 1e-12, (acc, summary.metrics)
 
 

@@ -9,7 +9,6 @@ and checkpoint manager in a directory of its own."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
-from helpers import start_ranks
+from helpers import exits_cleanly, start_ranks
 
 RUN = "sharded"
 
@@ -58,18 +57,6 @@ def _steps(strategy, cfg, task, first: int, n: int, rank: int, ws: int) -> list[
     return losses
 
 
-def _exits_cleanly(fn):
-    """``os._exit(0)`` once a rank's body returned: gloo's C++ threads can abort a clean
-    interpreter exit (an exception still propagates to torch's spawn)."""
-    @functools.wraps(fn)
-    def run(*args):
-        fn(*args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return run
-
-
 def _job(rank, ws, job, out):
     cfg = _cfg(job["strategy"])
     task = load_task(cfg)
@@ -93,7 +80,7 @@ def _job(rank, ws, job, out):
         torch.save(torch.tensor(losses), Path(out) / job["result"])
 
 
-@_exits_cleanly
+@exits_cleanly
 def _worker(rank, ws, init_file, jobs, outs):
     torch.set_num_threads(1)
     # A file rendezvous: no port picked in the parent that another process could take

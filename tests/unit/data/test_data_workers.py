@@ -3,7 +3,12 @@ real Parquet files): the same workers serve every epoch and data view of a proce
 stream dropped part-way holds nothing up; a chunk's error reaches the run that takes it,
 with its type, and the pool goes on; a dead worker fails the run with the DataLoader's
 error and the next stream gets new workers; a trainer killed with SIGKILL takes its
-forkserver and its workers with it within seconds."""
+forkserver and its workers with it within seconds.
+
+Ray: a Ray Train worker of a ``data.reader: dataloader`` job killed with SIGKILL (as the
+fault and soak tests kill them, as the OOM killer does): its DataLoader forkserver and
+workers end within seconds, and the job restarts and finishes (a real local Ray cluster,
+a real job, a real signal)."""
 
 from __future__ import annotations
 
@@ -13,40 +18,26 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import alive_train_workers, digits_config
+from elastic_ddp import train
 from elastic_ddp.config import Config
-from elastic_ddp.data.ingest import epoch_order
-from elastic_ddp.data.scan import scan_parquet
 from elastic_ddp.data.workers import READ_AHEAD_CHUNKS, WindowStream, data_workers
-from elastic_ddp.tasks.protocol import Column, Task
 from elastic_ddp.tasks.transform import SEQ
+from helpers.data_workers import Pids, forkserver_of, gone_within, processes
+from helpers.data_workers import rounds as _rounds, windows as _windows
+from helpers.slow_task import SLOW_TASK
 
 N = 480
-
-
-class Pids(Task):
-    """``pid``: the process that transformed the row; rows with ``x == bad`` raise a
-    ``KeyError`` (a type the run must see again)."""
-
-    columns = {"x": Column.integer()}
-
-    def __init__(self, bad: int = -1):
-        self.bad = bad
-
-    def transform(self, batch, ctx):
-        if (batch["x"] == self.bad).any():
-            raise KeyError(f"row {self.bad} is bad")
-        return {"x": batch["x"], "pid": np.full(len(batch["x"]), os.getpid(), np.int64)}
-
-    def loss(self, model, batch):  # pragma: no cover - never trained here
-        raise NotImplementedError
 
 
 def _data(tmp: Path) -> Path:
@@ -54,18 +45,6 @@ def _data(tmp: Path) -> Path:
         pq.write_table(pa.table({"sample_id": pa.array(part, pa.int64()), "x": pa.array(part, pa.int64())}),
                        tmp / f"part-{f}.parquet", row_group_size=20)
     return tmp
-
-
-def _windows(tmp: Path, epoch: int):
-    cfg = Config.from_dict({"data": {"train_path": str(tmp), "shuffle_window_rows": 40, "partitions": 4},
-                            "task": {"path": "tests:Echo"}, "batch": {"global_batch_size": 16},
-                            "scaling": {"min_workers": 1, "max_workers": 1}})
-    info = scan_parquet(tmp, Pids.columns)
-    return info, epoch_order(info, cfg, epoch).rank_windows(0, 1, 0)
-
-
-def _rounds(n: int, k: int) -> list[int]:
-    return [round(n * (i + 1) / k) for i in range(k)]
 
 
 def test_the_same_workers_serve_every_epoch_and_stream(tmp_path):
@@ -173,39 +152,6 @@ def test_a_dead_worker_fails_the_run_and_a_new_pool_serves(tmp_path):
     assert not pids & {int(p) for x in got for p in x["pid"]}
 
 
-def processes() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, command line) of every process (Linux /proc)."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-            out[int(d.name)] = (int(ppid), state, cmd)
-    return out
-
-
-def forkserver_of(pid: int) -> tuple[int, list[int]]:
-    """The forkserver ``pid`` started and the processes it forked (its DataLoader workers)."""
-    procs = processes()
-    (server,) = [p for p, (pp, _, cmd) in procs.items() if pp == pid and "forkserver import main" in cmd]
-    return server, [p for p, (pp, _, _) in procs.items() if pp == server]
-
-
-def gone_within(pids: list[int], seconds: float) -> list[int]:
-    """The processes of ``pids`` still running (zombies count as ended) after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        procs = processes()
-        alive = [p for p in pids if p in procs and procs[p][1] != "Z"]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
-
-
 def test_a_killed_trainer_takes_its_forkserver_and_workers_with_it(tmp_path):
     """SIGKILL of the process that reads (a trainer killed by a test, the OOM killer):
     its forkserver and DataLoader workers end within seconds, where they used to wait
@@ -214,8 +160,8 @@ def test_a_killed_trainer_takes_its_forkserver_and_workers_with_it(tmp_path):
     _data(tmp_path)
     code = textwrap.dedent(f"""
         import sys, time
-        sys.path[:0] = [{str(Path(__file__).parent)!r}]
-        from test_data_workers import Pids, _rounds, _windows
+        sys.path[:0] = [{str(Path(__file__).resolve().parents[2])!r}]  # tests/: its helpers
+        from helpers.data_workers import Pids, rounds as _rounds, windows as _windows
         from elastic_ddp.data.workers import WindowStream
 
         info, w0 = _windows(__import__("pathlib").Path({str(tmp_path)!r}), 0)
@@ -233,3 +179,59 @@ def test_a_killed_trainer_takes_its_forkserver_and_workers_with_it(tmp_path):
         trainer.kill()
         trainer.wait()
     assert gone_within([server, *workers], 10) == [], processes().get(server)
+
+
+# --------------------------------------------------------------------------- Ray
+def _reading_trainer() -> Optional[tuple[int, int, list[int]]]:
+    """(a Ray Train worker, its forkserver, the forkserver's workers) once one reads."""
+    procs = processes()
+    for pid in alive_train_workers():
+        servers = [p for p, (pp, _, cmd) in procs.items() if pp == pid and "forkserver import main" in cmd]
+        for s in servers:
+            workers = [p for p, (pp, st, _) in procs.items() if pp == s and st != "Z"]
+            if len(workers) == 2:
+                return pid, s, workers
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_leaves_no_forkserver_or_data_workers(ray_cluster, digits_data, tmp_path,
+                                                               mlflow_store):
+    task_file = tmp_path / "slow_task.py"
+    task_file.write_text(textwrap.dedent(SLOW_TASK))
+    raw = digits_config(digits_data, tmp_path, {
+        # Windows of 128 rows: several rounds per epoch, so each attempt's DataLoader
+        # workers start after its first step (the first round is read in the trainer's
+        # process).
+        "data": {"reader": "dataloader", "shuffle_window_rows": 128}, "run": {"name": "forkserver-kill"},
+        "train": {"epochs": 1, "checkpoint_every_steps": 5}, "scaling": {"max_failures": 1}})
+    raw["task"]["path"] = f"{task_file}:SlowDigits"
+    raw["model"].pop("name")
+    raw["task"]["kwargs"]["sleep_per_loss"] = 0.2  # 23 steps of at least 0.4 s
+    result: dict = {}
+
+    def run():
+        try:
+            result["summary"] = train(Config.from_dict(raw), progress=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            result["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    found = None
+    deadline = time.monotonic() + 300
+    while found is None and th.is_alive() and time.monotonic() < deadline:
+        found = _reading_trainer()
+        time.sleep(0.2)
+    assert found is not None, result
+    trainer, server, workers = found
+    os.kill(trainer, signal.SIGKILL)
+    t0 = time.monotonic()
+    left = gone_within([server, *workers], 10)
+    assert left == [], {p: processes().get(p) for p in left}
+    print(f"forkserver and {len(workers)} workers gone {time.monotonic() - t0:.1f} s after the kill")
+    th.join(600)
+    assert not th.is_alive()
+    if "error" in result:
+        raise result["error"]
+    assert result["summary"].restarts == 1 and result["summary"].steps == 23

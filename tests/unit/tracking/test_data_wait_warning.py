@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
+from helpers.slow_task import SLOW_TASK
 from elastic_ddp.tracking.data_wait import DATA_WAIT_TAG, DOC, THRESHOLD, WINDOW, DataWaitWatch
 
 FIXES = ("more CPUs", "data.read_tasks", "data.task_cpus", "CPU-only node", "data.read_ahead_mib",
@@ -108,32 +109,6 @@ def test_the_tracker_keeps_the_warning_once_as_a_notice(tmp_path):
 
 
 # --------------------------------------------------------------------------- Ray
-SLOW_TASK = """
-    import time
-
-    from elastic_ddp.tasks.vision import CNNClassifier
-
-
-    class SlowDigits(CNNClassifier):
-        '''The built-in digits CNN whose training transform sleeps: a data path slower
-        than the step (a decoder too slow for the accelerator).'''
-
-        def __init__(self, sleep_per_row: float = 0.0, sleep_per_loss: float = 0.0, **kw):
-            super().__init__(**kw)
-            self.sleep_per_row = float(sleep_per_row)
-            self.sleep_per_loss = float(sleep_per_loss)
-
-        def transform(self, batch, ctx):
-            if ctx.split == "train":
-                time.sleep(self.sleep_per_row * len(ctx.sample_ids))
-            return super().transform(batch, ctx)
-
-        def loss(self, model, batch):
-            time.sleep(self.sleep_per_loss)  # a step of a few tens of ms, as on an accelerator
-            return super().loss(model, batch)
-"""
-
-
 def _run_cli(data: Path, tmp: Path, name: str, sleep_per_row: float, data_cfg: dict,
              capsys, sleep_per_loss: float = 0.0) -> tuple[str, object, list[float]]:
     from elastic_ddp.driver.cli import main
