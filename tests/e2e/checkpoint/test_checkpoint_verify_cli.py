@@ -7,7 +7,7 @@ starts, naming them and the fix, and leaves the MLflow run as it was.
 
 The three CLI jobs are separate driver processes that join one local Ray cluster (the
 module's head, ``RAY_ADDRESS``), as jobs on a running cluster do; a CLI job that starts
-its own local Ray is tested by test_console, test_run_lease and test_failure_causes."""
+its own local Ray is tested by test_console, test_lease_jobs and test_failure_causes."""
 
 from __future__ import annotations
 
