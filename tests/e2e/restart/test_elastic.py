@@ -36,7 +36,7 @@ from elastic_ddp.checkpoint.export import read_run_state
 from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
-from helpers import add_node, max_step, train_ids, wait_until
+from helpers import add_node, local_cluster, max_step, train_ids, wait_until
 
 EPOCHS = 3
 CKPT_EVERY = 5
@@ -90,28 +90,14 @@ def _close_to_baseline(summary, baseline) -> None:
 # ------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def cluster():
-    """Head (1 CPU) + two 2-CPU worker nodes; the driver connects to it. Torn down with
-    the module so no raylet outlives it."""
+    """Head (1 CPU) + two 2-CPU worker nodes (``helpers.local_cluster``); the driver
+    connects to it. Torn down with the module so no raylet outlives it."""
     import ray
-    from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster()
-    try:
-        add_node(c, num_cpus=1, include_dashboard=False)  # the head
-        for _ in range(2):
-            add_node(c, num_cpus=2)
-        c.wait_for_nodes()
-    except BaseException:
-        c.shutdown()
-        raise
-    ray.init(address=c.address, logging_level="WARNING")
-    try:
+    with local_cluster(2, 2, head_cpus=1) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")
