@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import pycode_config
@@ -15,6 +16,7 @@ from conftest import pycode_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_torchrun_baseline_runs_the_same_job(pycode_data, tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(pycode_config(pycode_data, tmp_path)))

@@ -51,6 +51,7 @@ def _run(env_extra: dict) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_piped_console_has_no_ray_lines_and_no_colour_codes():
     p = _run({})

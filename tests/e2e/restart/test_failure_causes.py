@@ -256,6 +256,7 @@ class Digits(elastic_ddp.Task):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.ray  # starts its own local Ray in the subprocess
 def test_a_ddp_job_with_an_unused_parameter_stops_after_one_attempt(tmp_path, digits_data):
     task = tmp_path / "user_code" / "unused_task.py"

@@ -139,6 +139,7 @@ def _upload(local: Path, s3, key: str) -> str:
     return s3.uri(key)
 
 
+@pytest.mark.slow
 def test_export_from_s3_as_a_user_runs_it_and_a_cut_shard_there_is_refused(written, s3, tmp_path):
     d, want = written
     uri = _upload(d, s3, f"runs/{RUN}/{checkpoint_name(1)}")

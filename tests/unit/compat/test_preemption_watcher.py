@@ -57,6 +57,7 @@ def _actor_classes() -> set[str]:
     return {a["ActorClassName"] for a in state.actors().values()}
 
 
+@pytest.mark.slow
 def test_a_drain_reaches_every_rank_from_the_watcher_in_the_controllers_process(cluster, tmp_path, monkeypatch):
     from ray import cloudpickle
     from ray.train import RunConfig, ScalingConfig

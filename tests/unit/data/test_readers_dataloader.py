@@ -93,7 +93,7 @@ def _same(a: list[list[dict]], b: list[list[dict]]) -> None:
 CASES = [("windowed", {"shuffle_window_rows": 48, "partitions": 4}),
          pytest.param("windowed", {"shuffle_window_rows": 1, "partitions": 12}, marks=pytest.mark.slow),
          pytest.param("windowed", {"block_rows": 5, "shuffle_window_rows": 96}, marks=pytest.mark.slow),
-         ("permutation", {})]
+         pytest.param("permutation", {}, marks=pytest.mark.slow)]
 
 
 def test_auto_is_the_dataloader(tmp_path):
@@ -201,7 +201,7 @@ def test_a_worker_error_after_an_in_process_first_round_reaches_the_step(tmp_pat
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("order,data", [CASES[0], pytest.param(*CASES[3], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("order,data", [CASES[0], CASES[3]])
 def test_dataloader_reader_matches_the_ray_data_reader(tmp_path, ray_cluster, order, data):
     """The same rows in the same order as Ray Data's read and transform tasks: from the
     start at 3 ranks, from a mid-epoch cursor at 3, and from that cursor at 2."""

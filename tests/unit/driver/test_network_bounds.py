@@ -158,7 +158,7 @@ def _runs(tmp: Path) -> int:
 
 # --------------------------------------------------------------------------- RAY_ADDRESS
 @pytest.mark.parametrize("server, said", [
-    ("closed", "refused the connection"),
+    pytest.param("closed", "refused the connection", marks=pytest.mark.slow),
     ("silent", f"accepted the connection but sent no answer within {BOUND:g} s"),
 ])
 def test_a_ray_address_that_does_not_answer_exits_2_within_the_bound(

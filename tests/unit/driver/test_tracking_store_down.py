@@ -263,6 +263,7 @@ def test_a_server_that_cannot_be_judged_passes(tmp_path):
             check_tracking_store(uri)
 
 
+@pytest.mark.slow
 def test_a_real_mlflow_server_passes(tmp_path, _made_store):
     """``mlflow server`` on a loopback port, with and without a trailing slash."""
     import shutil

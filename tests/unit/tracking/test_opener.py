@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import digits_config
 from helpers import open_request
 from elastic_ddp import tracking
@@ -128,6 +130,7 @@ def test_the_tracker_imports_mlflow_only_after_the_first_step(tmp_path, mlflow_s
     assert [h.value for h in hist] == [2.0]
 
 
+@pytest.mark.slow
 def test_a_sigterm_while_the_request_is_sent_still_leaves_the_run_answerable(digits_data, tmp_path):
     """The CLI's early SIGTERM raises in the main thread; landing while the request is
     written (a pyarrow pool thread alive after the scan takes the signal for the

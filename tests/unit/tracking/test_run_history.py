@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import digits_config
 from helpers import open_request
 from elastic_ddp import tracking
@@ -131,6 +133,7 @@ def test_a_resume_is_a_recovery_event_from_its_start_to_its_first_step(digits_da
     assert rec["recovery_s"] == 25.5 and rec["steps_recomputed"] is None, rec
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_earlier_rows_with_a_non_finite_loss(digits_data, tmp_path, mlflow_store):
     """warnings/nonfinite_rows.json lists the rows of every submission, and the count
     metric goes on from the earlier ones."""

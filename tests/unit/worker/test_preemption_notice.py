@@ -103,7 +103,8 @@ RANK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("interval_s", [0.0, 1.0], ids=["every-step", "every-1s"])
+@pytest.mark.parametrize("interval_s", [pytest.param(0.0, id="every-step"),
+                                        pytest.param(1.0, id="every-1s", marks=pytest.mark.slow)])
 def test_two_gloo_ranks_agree_on_one_ranks_sigterm_which_it_survives(tmp_path, interval_s):
     """interval_s 0: an agreement at every boundary, the notice read at the second one
     after it. 1.0 (the default): agreements ``every`` boundaries apart (``every`` > 1
@@ -398,7 +399,7 @@ def _replicas(tmp_path, steps: int = 100_000):
     return lighthouse, list(procs), list(logs)
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("sigkill", marks=pytest.mark.slow)])
 def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other_redoes_none(tmp_path, how):
     """Two real torchft replicas (ReplicaGroup, gloo, a real lighthouse with LIGHTHOUSE's
     settings), STEP_S a step. SIGTERM to one: its next step is its last (its Manager
@@ -461,6 +462,7 @@ def test_a_sigtermed_torchft_replica_leaves_after_a_committed_step_and_the_other
     assert gap < STEP_S + LIGHTHOUSE["heartbeat_timeout_ms"] / 1000 + 1.5, gap
 
 
+@pytest.mark.slow
 def test_a_replacement_preparing_for_its_first_quorum_does_not_hold_up_the_survivors_next_one(tmp_path):
     """Replicas 0 and 1 train in one quorum; a replacement (world rank 1 again, as Ray
     starts one) builds its ReplicaGroup and spends ``PREPARE_S`` before its first quorum
