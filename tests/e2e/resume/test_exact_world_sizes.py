@@ -113,7 +113,7 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
             assert torch.equal(v, sb[i][k]), f"{what}: optimizer state {i}.{k} differs"
 
 
-@pytest.mark.parametrize("order", ["windowed", pytest.param("permutation", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("order", ["windowed", "permutation"])
 def test_world_sizes_1_and_2_train_bitwise_alike_also_across_a_resize(small_lm, tmp_path, order):
     job = _job(small_lm, tmp_path, order)
     assert job.train.num_rows % 32, "the data set must end an epoch with a remainder step"

@@ -88,8 +88,10 @@ def _same(a: list[list[dict]], b: list[list[dict]]) -> None:
 
 
 # About 37 s each on 2 cores (DataLoader worker processes for every rank of five world
-# sizes and cursors): the default suite runs the common layout of each order; the two
-# edge layouts (one-row windows over 12 partitions, 5-row blocks) run in the slow tier.
+# sizes and cursors): the default suite runs the common windowed layout; the two edge
+# layouts (one-row windows over 12 partitions, 5-row blocks) and the permutation order
+# run in the slow tier (the permutation order's rows through the product's reader:
+# tests/e2e/resume/test_exact_world_sizes.py, its order: tests/unit/data/test_order.py).
 CASES = [("windowed", {"shuffle_window_rows": 48, "partitions": 4}),
          pytest.param("windowed", {"shuffle_window_rows": 1, "partitions": 12}, marks=pytest.mark.slow),
          pytest.param("windowed", {"block_rows": 5, "shuffle_window_rows": 96}, marks=pytest.mark.slow),
