@@ -46,7 +46,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile
 
-# The slow tier adds the `ui` extra (playwright's driver: tests/test_ui_screenshots.py).
+# The slow tier adds the `ui` extra (playwright's driver: tests/project/test_ui_screenshots.py).
 UI_STAMP := $(VENV)/.installed-ui
 $(UI_STAMP): $(STAMP)
 	@$(PY) -m pip install -qq -e ".[ui]"

@@ -30,7 +30,7 @@ Security defaults:
   ``_ray_start`` command): its node processes get the single-machine mode (every
   process that connects, job drivers included, keeps 127.0.0.1), while the ``ray
   start`` process itself keeps the multi-node mode and leaves 127.0.0.1 as given.
-  ``listeners_outside_loopback`` (and ``tests/test_job_submit.py``) check the result;
+  ``listeners_outside_loopback`` (and ``tests/e2e/cli/test_job_submit.py``) check the result;
 * no fixed port: the GCS, dashboard, Ray client server, dashboard agent and the
   autoscaler/dashboard metrics ports are chosen free at start, the others are left to
   Ray (0: the OS picks one when binding), so several clusters can share a machine;

@@ -24,7 +24,7 @@ from elastic_ddp.tasks.protocol import Column, Task, TransformContext, pad_seque
 from elastic_ddp.version import __version__
 
 # Imported on first use (PEP 562 module __getattr__): their modules bring pyarrow,
-# numpy, Ray or MLflow, which `import elastic_ddp` does not (tests/test_startup_imports.py).
+# numpy, Ray or MLflow, which `import elastic_ddp` does not (tests/unit/driver/test_startup_imports.py).
 _LAZY = {
     "Summary": "elastic_ddp.driver.report",
     "TrainingError": "elastic_ddp.driver.launcher",

@@ -2,7 +2,7 @@
 one cross-rank reduction that turns per-rank sums into ``*_mean`` / ``*_max`` figures.
 
 Everything except :func:`reduce_mean_max` and :class:`PhaseClock` is a pure function of
-numbers (unit-tested in ``tests/test_metrics.py``). The worker
+numbers (unit-tested in ``tests/unit/test_metrics.py``). The worker
 (``worker.trainer.Trainer.train_step``, :class:`StepWindow`) measures; this module computes.
 
 How a step is split (per rank, seconds per optimizer step):

@@ -4,7 +4,7 @@
 #   bash experiments/gpu_check.sh            # from the repository root; about 8 minutes
 #
 # 1. the environment: nvidia-smi, torch's CUDA and NCCL versions;
-# 2. the `gpu`-marked tests (tests/test_gpu.py: digits on NCCL, the backend tag, the model);
+# 2. the `gpu`-marked tests (tests/e2e/gpu/test_gpu.py: digits on NCCL, the backend tag, the model);
 # 3. both fault-tolerance modes on NCCL: `restart` and `per_step` (torchft), one worker per
 #    GPU, and, with one GPU, also two workers packed on it (scaling.gpus_per_worker=0.5),
 #    which NCCL may refuse (two ranks of one process group on one device): the line says
@@ -67,7 +67,7 @@ CLI=("$PY" -m elastic_ddp)
 step prepare 120 1 bash -c "${CLI[*]} prepare digits $OUT/digits >/dev/null && \
     ${CLI[*]} prepare pycode $OUT/pycode --num-files 2 --max-bytes 2000000 >/dev/null"
 
-step gpu_tests 150 1 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+step gpu_tests 150 1 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/e2e/gpu/test_gpu.py
 
 DIGITS=(--set "data.train_path=$OUT/digits/train" --set "data.val_path=$OUT/digits/val"
         --set scaling.use_gpu=true --set train.epochs=2 --set "run.storage_path=$OUT/ray_results"

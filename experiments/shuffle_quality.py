@@ -8,7 +8,7 @@ Each (order, seed) trains the config in one process, without Ray: the plain-PyTo
 replay of the job (the library's epoch order over the real row groups, the task's
 transform, collate and per-sample loss, the mean over each global batch, the same
 optimizer, LR schedule and clipping), which the end-to-end tests show equal to the
-distributed job (``tests/test_train_e2e.py``: the same step-1 loss, the same final
+distributed job (``tests/e2e/tracking/test_train_e2e.py``: the same step-1 loss, the same final
 accuracy within one val row). Validation: the task's ``evaluate`` over the whole val
 split (or ``train.eval_max_batches`` batches of 2 x micro_batch_size rows, as the job).
 

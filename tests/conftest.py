@@ -80,7 +80,7 @@ def mlflow_store(tmp_path, _made_store) -> str:
     the session's made store (no experiment but MLflow's ``Default``). For tests whose
     subject is not a new store's creation, e2e jobs among them: a job on a new file waits
     for its MLflow helper to run the migrations (4-6 s of a 20-30 s job on a busy 2-core
-    machine). The jobs that start their own local Ray (test_console, test_run_lease,
+    machine). The jobs that start their own local Ray (test_console, test_lease_jobs,
     test_failure_causes, test_stop_early, the Ctrl-C tests), the opener's and the lease's
     tests still create theirs."""
     import shutil
@@ -206,7 +206,7 @@ def s3_proxy(s3_server):
     """The session's :class:`S3FaultProxy` in front of ``s3_server`` (forwarding all
     until a test adds a rule through ``s3_faults``). The no-disk cluster's nodes reach
     the S3 server through it."""
-    from s3_fault_proxy import S3FaultProxy
+    from helpers.s3_fault_proxy import S3FaultProxy
 
     proxy = S3FaultProxy(s3_server).start()
     try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Vendor the OpenAPI schemas of KubeRay's RayCluster and RayJob CRDs into the repo, so
-``tests/test_kuberay_manifests.py`` validates ``cluster/kuberay/*.yaml`` on a clean clone
+``tests/project/test_kuberay_manifests.py`` validates ``cluster/kuberay/*.yaml`` on a clean clone
 (CI has no copy of the CRDs and no network).
 
     python cluster/kuberay/vendor_crds.py                      # from /work/shared/kuberay-crd

@@ -17,7 +17,7 @@
   of the driver's start-up); MLflow itself fails only when the run is opened. Version
   guard: on an MLflow release of :data:`~elastic_ddp.compat.versions.TESTED_MLFLOW`
   (the copy is compared with MLflow's registry by
-  ``tests/test_tracking_store_down.py``); on another, None: every scheme passes and
+  ``tests/unit/driver/test_tracking_store_down.py``); on another, None: every scheme passes and
   MLflow names a bad one itself.
 """
 

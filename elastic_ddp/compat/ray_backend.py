@@ -17,7 +17,7 @@ worker group, a quarter of a second of CPU in every worker at every start and re
 What it costs: this code follows Ray's (2.56 to 2.60: override ``process_group_backend``
 of ``compat.versions``; on another release the launcher uses Ray's ``TorchConfig``); a
 Ray release that changes ``_TorchBackend`` or those functions must be mirrored here
-before it is added there (``tests/test_ray_trainer.py`` compares the variables and the
+before it is added there (``tests/unit/compat/test_ray_trainer.py`` compares the variables and the
 device with what Ray's own functions give). TPU and HCCL set-up are not covered: the
 config refuses those backends.
 """

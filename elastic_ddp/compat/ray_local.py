@@ -55,7 +55,7 @@ def keep_loopback_addresses(loopback: str) -> None:
 
 
 #: Ray releases on which a driver joined a loopback-only cluster with
-#: :func:`init_on_loopback` (tests/test_network_bounds.py). What it relies on: ray.init
+#: :func:`init_on_loopback` (tests/unit/driver/test_network_bounds.py). What it relies on: ray.init
 #: resolves the GCS and node address through ``services.resolve_ip_for_localhost``, which
 #: keeps 127.0.0.1 in single-machine mode; elsewhere a loopback-only cluster is refused
 #: with the fix (driver.network_checks).

@@ -15,7 +15,7 @@ line naming what is skipped, instead of failing somewhere inside Ray. Checkpoint
 data order and the exact resume are the workers' own and hold either way; what a job
 loses without an override is its ``buys``.
 
-To support a new Ray release: run ``tests/test_ray_versions.py`` with
+To support a new Ray release: run ``tests/e2e/restart/test_ray_versions.py`` with
 ``ELASTIC_DDP_TEST_RAY=<version>`` (slow tier: a virtualenv with that Ray, the digits
 job and a resume after a SIGKILL) and the Ray tier in an environment that has it, then
 add the version to :data:`TESTED_RAY` (or to the ``tested`` of the overrides it passed).
@@ -38,8 +38,8 @@ from typing import Optional
 # - replica_group_capacity: the controller and worker-group parts it patches are the
 #   same in 2.58 and 2.59 (in 2.56 and 2.57 but for 2.60's preemption additions to the
 #   worker group and its poll status, which it does not use), but per-step mode with a
-#   lost node (tests/test_per_step_capacity.py) ran on 2.60 only, and the restart-mode
-#   jobs of tests/test_ray_versions.py never take its path;
+#   lost node (tests/e2e/per_step/test_per_step_capacity.py) ran on 2.60 only, and the restart-mode
+#   jobs of tests/e2e/restart/test_ray_versions.py never take its path;
 # - grow_checkpoint: a grow notice is a notice, which before 2.60 is handled as a crash.
 TESTED_RAY = ("2.56.0", "2.56.1", "2.57.0", "2.57.1", "2.58.0", "2.58.1", "2.59.0", "2.60.0")
 # The first Ray release with Ray Train's TorchftConfig, which scaling.fault_tolerance=

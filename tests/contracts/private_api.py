@@ -14,7 +14,7 @@ object the code made or was given (``manager._quorum_id``), since only names rea
 from an import are the dependency's.
 
 Configured in pyproject.toml (``[tool.importlinter] contract_types``) and run by
-``lint-imports`` (tests/test_import_contracts.py).
+``lint-imports`` (tests/project/test_import_contracts.py).
 """
 
 from __future__ import annotations

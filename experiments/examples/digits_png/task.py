@@ -15,7 +15,7 @@ fill, no wrap-around), then ``clip(x * contrast + brightness, 0, 1)`` with contr
 ``1 +- contrast`` and brightness in ``+- brightness``. Every random number comes from
 ``ctx.rngs()``, one generator per row seeded by (seed, epoch, sample_id): after a
 restart or a resize, a sample lands in another block, rank or Ray Data task and still
-gets the same pixels in the same epoch (``tests/test_examples.py`` checks it).
+gets the same pixels in the same epoch (``tests/e2e/examples/test_examples.py`` checks it).
 
 This file is the whole task: the library ships it to the Ray workers by value
 (cloudpickle), so it imports only installed packages, never a sibling file.

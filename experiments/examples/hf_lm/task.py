@@ -27,7 +27,7 @@ called without labels; its ``logits`` [B, T-1, V] give the token losses, the mas
 the padded targets, and each document's loss is the mean over its own tokens. The
 attention mask is the same padding mask: with right padding and causal attention no
 real token sees a pad, so a document's loss does not depend on its micro-batch's padding
-(``tests/test_example_hf.py`` checks it).
+(``tests/e2e/examples/test_example_hf.py`` checks it).
 
 Precision: the forward runs under bf16 autocast on a CUDA device that supports bf16
 (``task.kwargs.bf16: true``, the default); on CPU autocast is off (float32). Logits are

@@ -22,7 +22,7 @@ Why pad in collate and not in transform: a Ray Data block holds documents of man
 micro-batches; padding per micro-batch wastes less and keeps transform row-local.
 Causal attention never lets a real token see the padding that follows it, and the loss
 masks the padded targets, so a document's loss does not depend on how much padding its
-micro-batch has (``tests/test_examples.py`` checks it).
+micro-batch has (``tests/e2e/examples/test_examples.py`` checks it).
 
 The per-sample loss is a per-document mean, so the trainer's global-batch mean weighs
 every document equally, whatever its length (the protocol's unit is the sample).
