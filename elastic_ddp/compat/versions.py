@@ -31,8 +31,9 @@ from typing import Optional
 # tested on all of them replace, patch or call is the same in all of them, except that
 # SynchronizationActor has three more methods from 2.60 on
 # (compat.ray_controller_host.SYNC_METHODS serves both sets); the .0 and .1 releases of
-# 2.56, 2.57 and 2.58 ship identical ray/train sources. The three overrides tested on 2.60 only are skipped on 2.56 to 2.59
-# with the warning line (README.md's Ray range note says what a job loses there):
+# 2.56, 2.57 and 2.58 ship identical ray/train sources. The three overrides tested on
+# 2.60 only are skipped on 2.56 to 2.59 with the warning line (README.md's Ray range note
+# says what a job loses there):
 # - usable_node_count: before 2.60 ElasticScalingPolicy._count_possible_workers gets a
 #   list of per-node resources without node ids, which it cannot filter by node;
 # - replica_group_capacity: the controller and worker-group parts it patches are the
