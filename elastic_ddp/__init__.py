@@ -27,7 +27,7 @@ from elastic_ddp.version import __version__
 # numpy, Ray or MLflow, which `import elastic_ddp` does not (tests/unit/driver/test_startup_imports.py).
 _LAZY = {
     "Summary": "elastic_ddp.driver.report",
-    "TrainingError": "elastic_ddp.driver.launcher",
+    "TrainingError": "elastic_ddp.driver.job",
     "ResumeError": "elastic_ddp.driver.resume",
     "RunBusyError": "elastic_ddp.driver.lease",
     "StorageError": "elastic_ddp.driver.storage_checks",

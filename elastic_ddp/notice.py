@@ -11,7 +11,7 @@ A notice is one of:
   notice); the handler (:func:`note`) only records it, so that the process lives on
   until the checkpoint is committed;
 - ``stop``: the driver got SIGTERM (a Ray job being stopped, a CI runner cancelled) and
-  asked the controller to stop the job (``compat.ray_trainer.ControllerHost.request_stop``);
+  asked the controller to stop the job (``compat.ray_controller_host.ControllerHost.request_stop``);
 - ``grow``: the controller's elastic policy decided to restart the running group onto
   more workers (``compat.ray_grow``): the workers commit a checkpoint at the next step
   boundary and wait there (:data:`GROW_METRIC` marks its report) until the controller

@@ -1,7 +1,7 @@
 """Ray Train's elastic scaling policy sized on the nodes that can take a worker now:
 alive and not being drained (``count_usable_nodes_only``, override ``usable_node_count``
 of ``compat.versions``; Ray 2.60's ``ElasticScalingPolicy`` internals), and the GCS
-query it and the per-step capacity wait (``compat.ray_trainer``) share."""
+query it and the per-step capacity wait (``compat.ray_capacity``) share."""
 
 from __future__ import annotations
 

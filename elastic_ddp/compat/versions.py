@@ -29,10 +29,11 @@ from typing import Optional
 
 # Every release of the range pyproject.toml declares. The Ray Train code the overrides
 # tested on all of them replace, patch or call is the same in all of them, except that
-# SynchronizationActor has three more methods from 2.60 on (compat.ray_trainer.SYNC_METHODS
-# serves both sets); the .0 and .1 releases of 2.56, 2.57 and 2.58 ship identical
-# ray/train sources. The three overrides tested on 2.60 only are skipped on 2.56 to 2.59
-# with the warning line (README.md's Ray range note says what a job loses there):
+# SynchronizationActor has three more methods from 2.60 on
+# (compat.ray_controller_host.SYNC_METHODS serves both sets); the .0 and .1 releases of
+# 2.56, 2.57 and 2.58 ship identical ray/train sources. The three overrides tested on
+# 2.60 only are skipped on 2.56 to 2.59 with the warning line (README.md's Ray range note
+# says what a job loses there):
 # - usable_node_count: before 2.60 ElasticScalingPolicy._count_possible_workers gets a
 #   list of per-node resources without node ids, which it cannot filter by node;
 # - replica_group_capacity: the controller and worker-group parts it patches are the
@@ -75,7 +76,7 @@ class Override:
 
 
 OVERRIDES: tuple[Override, ...] = (
-    Override("controller_host", "controller host (compat.ray_trainer)",
+    Override("controller_host", "controller host (compat.ray_controller_host)",
              "the controller's process boots before the input checks on a running cluster and "
              "serves each worker group's barrier (no SynchronizationActor process per start) and "
              "runs Ray 2.60's preemption watcher (no PreemptionWatcher process per start); "
@@ -91,7 +92,7 @@ OVERRIDES: tuple[Override, ...] = (
              "same failure twice, the controller's start-up marks, and a worker death while "
              "its group starts retried rather than fatal, with that group's placement group "
              "and other workers shut down"),
-    Override("replica_group_capacity", "replica-group capacity wait (compat.ray_trainer)",
+    Override("replica_group_capacity", "replica-group capacity wait (compat.ray_capacity)",
              "in per_step mode a replica whose node is gone waits for room outside the "
              "controller's loop: a replica that dies meanwhile is replaced on its own live "
              "node at once, and the job ends when the survivors finish (Ray Train blocks on "

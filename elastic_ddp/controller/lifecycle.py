@@ -42,7 +42,7 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
         if self.sink.preemption:
             count_notices_as_preemptions(lambda e: notice.preempted_in(e) is not None,
                                          self.sink.died_after_notice)
-        # Read by the controller right after this hook (compat.ray_trainer.EnvController).
+        # Read by the controller right after this hook (compat.ray_controller.EnvController).
         set_grow_timeout(self.sink.grow_checkpoint_timeout_s if self.sink.preemption else None,
                          notice.request_grow, notice.GROW_METRIC)
         self.sink.mark("controller_started")
@@ -53,7 +53,7 @@ class ControllerEvents(ControllerCallback, WorkerGroupCallback, ReplicaGroupCall
 
     def after_worker_group_start(self, worker_group) -> None:
         try:
-            # For the driver's clean-up (ray_trainer.remove_leftover_placement_groups).
+            # For the driver's clean-up (compat.ray_placement_groups).
             pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
             extra = {"placement_group": pg.id.hex()}
         except Exception:  # noqa: BLE001 - bookkeeping only

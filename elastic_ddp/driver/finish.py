@@ -259,7 +259,7 @@ def after_failed_fit(tracker) -> None:
     (where Ray Train's own placement-group cleaner is kept, that removes it)."""
     import ray
 
-    from elastic_ddp.compat.ray_trainer import (driver_removes_placement_groups,
+    from elastic_ddp.compat.ray_placement_groups import (driver_removes_placement_groups,
                                                 remove_leftover_placement_groups)
     from elastic_ddp.compat.versions import ray_plan
 

@@ -39,32 +39,17 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Optional
 
-from elastic_ddp.config import ConfigError
 from elastic_ddp.background import start_deferring_signals
+from elastic_ddp.config import ConfigError
+# STALE_ENV, STALE_S: the lease's setting, read from here as well.
+from elastic_ddp.driver.lease_record import (STALE_ENV, STALE_S, holder_alive,  # noqa: F401
+                                             holder_exited, iso_time, pid_start, warn_read_back)
 from elastic_ddp.errors import ElasticDDPError
 
-def _stale_s() -> float:
-    """``ELASTIC_DDP_LEASE_STALE_S`` (seconds, > 0), else 30."""
-    raw = os.environ.get(STALE_ENV, "").strip()
-    try:
-        value = float(raw) if raw else 30.0
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ConfigError(f"{STALE_ENV}={raw!r}: not a number of seconds above 0; unset it for "
-                          "the default of 30")
-    return value
-
-
-#: Seconds without a heartbeat after which a lease is stale (taken over by the next job of
-#: the run); the environment variable sets it for every job of the run alike.
-STALE_ENV = "ELASTIC_DDP_LEASE_STALE_S"
-STALE_S = _stale_s()
 HEARTBEAT_S = min(5.0, STALE_S / 6)
 _RECORD_BYTES = 1024
 
@@ -74,22 +59,6 @@ class RunBusyError(ConfigError):
     and the fix (the CLI's exit 2)."""
 
     kind = "run in use"
-
-
-def _iso(t: float) -> str:
-    from datetime import datetime
-
-    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
-
-
-def _pid_start(pid: int) -> Optional[float]:
-    """When process ``pid`` started, in clock ticks since boot (/proc), None elsewhere: a
-    reused pid has another start."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            return float(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class RunLease:
@@ -116,7 +85,7 @@ class RunLease:
         # The fencing token (elastic_ddp.fencing): a new lease's generation is the clock's
         # seconds, a takeover's at least the stale record's + 1 (_newer_than).
         self.record = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "pid_start": _pid_start(os.getpid()), "since": now, "heartbeat": now,
+                       "pid_start": pid_start(os.getpid()), "since": now, "heartbeat": now,
                        "run": name, "generation": int(now)}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -170,31 +139,12 @@ class RunLease:
         except ValueError:
             return {}
 
-    def alive(self, rec: dict, now: Optional[float] = None) -> bool:
-        """Whether the holder of ``rec`` still lives: its heartbeat is recent and, on this
-        host, its process (the same pid with the same start time) still exists."""
-        now = time.time() if now is None else now
-        if not rec:
-            return False
-        if rec.get("host") == socket.gethostname() and rec.get("pid"):
-            if not os.path.exists(f"/proc/{int(rec['pid'])}"):
-                try:
-                    os.kill(int(rec["pid"]), 0)
-                except ProcessLookupError:
-                    return False
-                except OSError:
-                    pass
-            start = _pid_start(int(rec["pid"]))
-            if start is not None and rec.get("pid_start") is not None and start != rec["pid_start"]:
-                return False  # the pid was reused by another process
-        return now - float(rec.get("heartbeat") or 0) < STALE_S
-
     def _busy(self, rec: dict) -> RunBusyError:
         ago = max(0.0, time.time() - float(rec.get("heartbeat") or 0))
         return RunBusyError(
             f"run.name={self.name!r} in {self.storage} is in use by a live job on host "
             f"{rec.get('host', '?')}, pid {rec.get('pid', '?')}, since "
-            f"{_iso(float(rec.get('since') or 0))} (last heartbeat {ago:.0f} s ago); set another "
+            f"{iso_time(float(rec.get('since') or 0))} (last heartbeat {ago:.0f} s ago); set another "
             f"run.name, or wait for that job to end (a job that stops for {STALE_S:.0f} s is "
             "taken over by the next run of this name, which resumes it)")
 
@@ -250,7 +200,7 @@ class RunLease:
         rec, seen = self._read_s3()
         if rec is None:
             return False  # released meanwhile
-        if self.alive(rec):
+        if holder_alive(rec):
             raise self._busy(rec)
         self._newer_than(rec)
         etag = self.s3.replace(self._bytes(), seen)  # only over the stale version read
@@ -281,9 +231,9 @@ class RunLease:
                 if self._create_local():
                     break
             else:
-                _warn_read_back(self.storage)
+                warn_read_back(self.storage)
                 rec = self._read()
-                if rec is None or not self.alive(rec):
+                if rec is None or not holder_alive(rec):
                     self._newer_than(rec)
                     self.fs.create_dir(self.dir, recursive=True)
                     self._write()
@@ -295,7 +245,7 @@ class RunLease:
             rec = self._read()
             if rec is None:
                 continue  # released meanwhile: try again
-            if self.alive(rec):
+            if holder_alive(rec):
                 raise self._busy(rec)
             self.took_over = rec
             self._newer_than(rec)
@@ -375,47 +325,15 @@ class RunLease:
             return None
         head = (f"elastic-ddp: run {self.name!r}: took over the lease of the job on host "
                 f"{rec.get('host', '?')}, pid {rec.get('pid', '?')} (since "
-                f"{_iso(float(rec.get('since') or 0))}), ")
-        if _holder_exited(rec):
+                f"{iso_time(float(rec.get('since') or 0))}), ")
+        if holder_exited(rec):
             return head + "which is gone (its process has exited)"
         ago = max(0.0, time.time() - float(rec.get("heartbeat") or 0))
         return head + (f"whose lease is stale (no heartbeat for {ago:.0f} s); its process may "
                        "still exist (a paused or cut-off job): stop it if it does")
 
 
-def _holder_exited(rec: dict) -> bool:
-    """Whether the holder of lease record ``rec`` is known to have exited: it ran on this
-    host and its pid is gone or belongs to another process now. Elsewhere it is unknown."""
-    if rec.get("host") != socket.gethostname() or not rec.get("pid"):
-        return False
-    pid = int(rec["pid"])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        pass
-    start = _pid_start(pid)
-    return start is not None and rec.get("pid_start") is not None and start != rec["pid_start"]
-
-
 class _Lost(ElasticDDPError):
     """The record on S3 is no longer the version this job wrote: taken over."""
 
 
-_warned_read_back: set[str] = set()
-
-
-def _warn_read_back(storage: str) -> None:
-    """The one warning line (per process and scheme) that a lease is taken without an
-    exclusive create on this store."""
-    from urllib.parse import urlsplit
-
-    scheme = urlsplit(storage).scheme or "this storage"
-    if scheme in _warned_read_back:
-        return
-    _warned_read_back.add(scheme)
-    print(f"elastic-ddp: warning: {scheme}:// has no exclusive create here: the run's lease "
-          "is written and read back after 1 s, so two jobs of one run started within that "
-          "second could both hold it (s3:// and local storage take it exclusively)",
-          file=sys.stderr, flush=True)

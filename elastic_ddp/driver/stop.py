@@ -2,7 +2,7 @@
 cancelled, a pod deleted): the job commits a checkpoint at the next step boundary and
 ends; the driver exits with :data:`EXIT_STOPPED`, and the same command resumes.
 
-    with SigtermStop(host) as stop:      # host: the controller host (compat.ray_trainer)
+    with SigtermStop(host) as stop:      # host: the controller host (compat.ray_controller_host)
         result = trainer.fit()
     ...
     if stop.stopped(error): ...          # raise JobStopped

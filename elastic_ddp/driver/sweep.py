@@ -247,7 +247,8 @@ def sweep(cfg: Config, world_sizes: Sequence[int], progress: bool = False,
     import ray
 
     from elastic_ddp import tracking
-    from elastic_ddp.driver.launcher import init_ray, train
+    from elastic_ddp.driver.launcher import train
+    from elastic_ddp.driver.ray_start import init_ray
 
     sizes = sorted(set(world_sizes))
     tag = time.strftime("%Y%m%d-%H%M%S")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _deep_update, digits_config
-from elastic_ddp.driver.launcher import train
+from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
 from helpers import add_node, local_cluster, max_step, train_ids, wait_until

@@ -213,7 +213,7 @@ def test_a_dead_controllers_placement_group_is_removed_by_the_driver(ray_cluster
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from elastic_ddp.compat.ray_trainer import remove_leftover_placement_groups
+    from elastic_ddp.compat.ray_placement_groups import remove_leftover_placement_groups
 
     pg = placement_group([{"CPU": 1}])
     ray.get(pg.ready(), timeout=60)

@@ -27,7 +27,7 @@ from elastic_ddp.checkpoint import checkpoint_name
 from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.checkpoint.layout import REJECTED
 from elastic_ddp.config import Config
-from elastic_ddp.driver.launcher import _storage_path
+from elastic_ddp.driver.trainer_spec import storage_root as _storage_path
 from elastic_ddp.driver.resume import CONFIG_CHANGES_TAG, ResumeError, check_resume
 from elastic_ddp.run_state import data_identity
 from elastic_ddp.tracking.opener import RAY_RUN_NAME_TAG

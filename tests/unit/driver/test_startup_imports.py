@@ -150,7 +150,7 @@ def test_the_process_group_backend_mirrors_functions_ray_still_has():
 
 
 def test_the_controller_host_serves_every_method_ray_calls_on_its_controller_and_barrier():
-    # elastic_ddp.compat.ray_trainer.ControllerHost stands for Ray Train's TrainController and
+    # elastic_ddp.compat.ray_controller_host.ControllerHost stands for Ray Train's TrainController and
     # SynchronizationActor actors; a Ray upgrade that adds a public method to either must
     # fail here (then: forward it, or list it as in-process only).
     import inspect
@@ -159,7 +159,7 @@ def test_the_controller_host_serves_every_method_ray_calls_on_its_controller_and
     from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2._internal.execution.worker_group import state, worker_group
 
-    from elastic_ddp.compat.ray_trainer import FORWARDED, SYNC_METHODS, ControllerHost
+    from elastic_ddp.compat.ray_controller_host import FORWARDED, SYNC_METHODS, ControllerHost
 
     def public(cls) -> set[str]:
         return {n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")}
