@@ -83,12 +83,16 @@ def test_data_larger_than_a_workers_memory_with_a_worker_killed(ray_cluster, tmp
     _write(small, 4096)
     _write(big, 150_000)  # 600 MiB of rows
     s0 = train(_cfg(small, tmp_path, "small", 4096), progress=False)
-    base = max(v for _, v in metric_history(s0.tracking_uri, s0.run_id, "worker/peak_mem_mib_max"))
+    small_hist = metric_history(s0.tracking_uri, s0.run_id, "worker/peak_mem_mib_max")
+    base = max(v for _, v in small_hist)
 
     cfg = _cfg(big, tmp_path, "big", 150_000)
     steps = math.ceil(150_000 / 1024)
     s = train(cfg, progress=False, diagnostics=Diagnostics(ledger_dir=str(tmp_path / "ledger"), fault={"rank": 1, "at_step": steps // 2, "where": "step", "marker": str(tmp_path / "fired")}))
-    peak = max(v for _, v in metric_history(s.tracking_uri, s.run_id, "worker/peak_mem_mib_max"))
+    hist = metric_history(s.tracking_uri, s.run_id, "worker/peak_mem_mib_max")
+    peak = max(v for _, v in hist)
+    print("\n[data scale] peak RSS (MiB) by step, tiny set:", [(k, round(v)) for k, v in small_hist],
+          "\n[data scale] 600 MiB set:", [(k, round(v)) for k, v in hist])
     print(f"\n[data scale] peak RSS per worker: tiny set {base:.0f} MiB, 600 MiB set {peak:.0f} MiB; "
           f"recovery {s.events[0].get('recovery_s') if s.events else None} s")
     assert (tmp_path / "fired").exists() and s.restarts == 1 and s.steps == steps
