@@ -19,7 +19,8 @@ save call), seconds until persisted (from the save call until this rank's write,
 manifest share included, is done, timed by a thread while one training step runs), restore
 seconds (a fresh process group, a fresh model; checksums included for this project),
 bytes read per rank at restore (``rchar`` of /proc/self/io: page-cache reads count too)
-and the load's part of them (``rchar`` less the bytes the restore's checksum thread hashes)
+and the load's part of them (``rchar`` less the small files the restore's checksum thread
+hashes whole; the shards are verified block by block in the load's own reads)
 and peak RSS per rank; then the ratios against the first row. ``step s*``: one training
 step while the background write runs (the asynchronous path; against ``step s``, what
 the write costs the training it overlaps). Each row is the median of ``--repeat``
@@ -28,8 +29,8 @@ checkpoints after one warm-up.
 ``--storage s3``: the sharded paths write to an S3 server the bench starts in its own
 process (moto's ``ThreadedMotoServer`` on 127.0.0.1: a Python server, so its own CPU
 time shares the machine's cores with the ranks); restore bytes per rank are then the
-bytes the rank fetched from the store (its share downloaded for its checksums, the rest
-by ranged reads: ``CheckpointManager.read_bytes``), and disk MB the newest checkpoint's
+bytes the rank fetched from the store (its ranged reads, widened to the blocks of the
+shards' block checksums: ``CheckpointManager.read_bytes``), and disk MB the newest checkpoint's
 objects.
 
 ``--checkout REV``: the commit whose ``elastic_ddp`` is the full-state path (default:
@@ -224,14 +225,18 @@ def worker(args) -> None:
     if s3:  # from the store: the share downloaded and the ranged reads (rchar misses sockets)
         read = mr.read_bytes
     elif path.startswith("sharded"):
-        # The restore's checksum thread reads this rank's share of the files beside the load
-        # (the same pages: the second read comes from the page cache); rchar counts both.
+        # The restore's checksum thread reads this rank's share of the files hashed whole
+        # beside the load (shards with block checksums are verified in the load's own
+        # reads: only the small files are hashed apart); rchar counts both.
         from elastic_ddp.checkpoint import MANIFEST
         from elastic_ddp.checkpoint.checksum import share_of
+        from elastic_ddp.checkpoint.verified_read import verifiable
 
         ck = max(store.rglob(MANIFEST), key=lambda f: f.parent.name)  # the restored one: the newest
-        files = json.loads(ck.read_text())["files"]
-        hashed = sum(files[n]["bytes"] for n in share_of(sorted(files), rank, ws))
+        manifest = json.loads(ck.read_text())
+        files = manifest["files"]
+        hashed = sum(files[n]["bytes"] for n in share_of(sorted(files), rank, ws)
+                     if not (verifiable(manifest) and n.endswith(".distcp")))
     out = {"rank": rank, "step_s": step_s,
            "during_s": statistics.median(during) if during else None,
            "blocked_s": statistics.median(blocked),
