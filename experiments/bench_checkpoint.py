@@ -9,6 +9,7 @@ the state staged into pinned host memory; the full-state path is for the CPU).
     .venv/bin/python experiments/bench_checkpoint.py --sizes 24x1024 --paths "" --interleave
     .venv/bin/python experiments/bench_checkpoint.py --sizes 8x512 --paths sharded,sharded_async \
         --storage local,s3     # the sharded paths on local disk and on an S3 server side by side
+    .venv/bin/python experiments/bench_checkpoint.py --wall-steps 12 --sizes 12x1024   # a checkpoint's wall-clock cost: sync, thread, process
     .venv/bin/python experiments/bench_checkpoint.py --device cuda --nproc 1 --sizes 20x2048 \
         --strategies fsdp --paths sharded_async,dcp_async --repeat 1   # a GPU: gpu_check.sh
 
@@ -151,6 +152,10 @@ def worker(args) -> None:
     path = args.path
     if path == "interleaved":
         return _interleaved(args, s, step, store, rank, ws, device)
+    if path.startswith("wall:"):
+        from bench_checkpoint_wall import wall_worker
+
+        return wall_worker(args, s, step, store, rank, ws)
     for k in range(args.repeat + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -480,12 +485,24 @@ def main() -> None:
     ap.add_argument("--storage", default="local",
                     help="local, s3 or local,s3: where the sharded paths write (s3: an S3 server "
                          "of the bench's own, moto's, on 127.0.0.1; the other paths: local only)")
+    ap.add_argument("--wall-steps", type=int, default=0,
+                    help="measure instead the wall-clock cost of a checkpoint: a job of this "
+                         "many steps without checkpoints and with one every 2 steps, per way "
+                         "(--wall-modes), side by side (bench_checkpoint_wall.py)")
+    ap.add_argument("--wall-modes", default="none,sync,thread,process",
+                    help="with --wall-steps: a subset of none, sync, thread, process")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size"), ap.add_argument("--strategy"), ap.add_argument("--path")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.wall_steps:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_checkpoint_wall import run_wall
+
+        return run_wall(args.sizes, args.strategies, args.wall_steps, max(1, args.repeat),
+                        [m for m in args.wall_modes.split(",") if m], ROOT, Path(__file__).resolve())
     if args.driver_sizes:
         print(f"{'size':>8} {'weights MB':>10} {'driver peak RSS MB':>18} {'RSS - weights':>13}")
         for size in args.driver_sizes.split(","):
