@@ -3,7 +3,7 @@ process``), on real gloo process groups (no Ray) and real DCP: for ddp and fsdp,
 disk and on the tests' S3 server, a checkpoint written while a step trains commits with
 its manifest (every shard's records, block checksums included) and restores the state
 the thread's writer restores; the writer is a child process of the rank, at a nice value
-10 above it."""
+10 above it; a writer killed between checkpoints is replaced at the next one, which commits."""
 
 from __future__ import annotations
 
@@ -73,6 +73,28 @@ def _job(rank, ws, job, out):
         with open("/proc/self/stat") as f:
             me = int(f.read().rsplit(")", 1)[1].split()[16])
         result.update(writer_nice=child - me, writer_pid=proc.pid, pid=os.getpid())
+    if job.get("kill_writer"):
+        # The writer process dies (rank 1's) between checkpoints: the next checkpoint
+        # fails in one line on every rank, training goes on, the one after commits.
+        import signal
+
+        from elastic_ddp.checkpoint import writer_process
+
+        first = writer_process._CHILD[0].pid
+        if rank == 1:
+            os.kill(first, signal.SIGKILL)
+            writer_process._CHILD[0].join(10)
+        dist.barrier()
+        lines: list[str] = []
+        mgr.log = lines.append
+        mgr.save(3, strategy, {"progress": {"step": 3}}, report=False, asynchronous=True)
+        _step(strategy, task, rank, ws, 3)
+        mgr.wait()
+        mgr.save(4, strategy, {"progress": {"step": 4}}, report=False, asynchronous=True)
+        mgr.wait()
+        result["failed"] = [ln for ln in lines if "checkpoint write failed" in ln]
+        result["writers"] = [first, writer_process._CHILD[0].pid]
+        result["before"] = _sums(strategy)
     restored = fresh()
     CheckpointManager(job["storage"], RUN, conf, rank, ws, collective=True,
                       strategy_name=job["strategy"]).restore(restored)
@@ -113,6 +135,8 @@ def written(s3_server, tmp_path_factory):
                          "result": f"{s}-{w}.json"})
         jobs.append({"strategy": s, "writer": "process", "storage": f"s3://{bucket}/{s}",
                      "result": f"{s}-process-s3.json"})
+    jobs.append({"strategy": "ddp", "writer": "process", "storage": str(out / "killed"),
+                 "kill_writer": True, "result": "killed.json"})
     start_ranks(_worker, (2, str(out / f"pg-{uuid.uuid4().hex}"), env, jobs, str(out)), 2)
     return out
 
@@ -130,3 +154,15 @@ def test_a_process_writer_commits_what_the_thread_writer_commits(written, strate
     shards = [n for n in manifest["files"] if n.endswith(".distcp")]
     assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"], manifest["files"]
     assert all(manifest["files"][n]["xxh3_64_blocks"] for n in shards)
+
+
+def test_a_writer_process_found_dead_is_replaced_and_the_next_checkpoints_commit(written):
+    got = json.loads((written / "killed.json").read_text())
+    assert got[0]["failed"] == [], got[0]["failed"]
+    first, then = got[1]["writers"]
+    assert first != then, got[1]["writers"]  # rank 1's writer: a new process
+    assert got[0]["writers"][0] == got[0]["writers"][1]  # rank 0's: the same one
+    for r in range(2):
+        assert got[r]["sums"] == got[r]["before"], r  # the restore: step 4's checkpoint
+    run = written / "killed" / RUN
+    assert (run / checkpoint_name(3) / MANIFEST).exists() and (run / checkpoint_name(4) / MANIFEST).exists()

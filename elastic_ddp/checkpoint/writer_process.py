@@ -111,7 +111,6 @@ def _writer_class():
         records: Optional[dict] = None
 
         def write_data(self, plan, planner):
-            import torch
             from torch.distributed.checkpoint.planner import WriteItemType
             from torch.futures import Future
 
@@ -124,8 +123,10 @@ def _writer_class():
                     t = data.detach()
                     if t.device.type != "cpu":
                         t = t.cpu()
-                    if t.untyped_storage().size() != t.nbytes:
-                        t = t.clone()  # as DCP writes a view: its own bytes alone
+                    if t.untyped_storage().size() != t.nbytes or t.is_pinned():
+                        # As DCP writes a view: its own bytes alone. Pinned memory (a GPU's
+                        # staging) is not shared: a plain copy is (one per checkpoint).
+                        t = t.clone() if not t.is_pinned() else t.to("cpu", copy=True)
                     items[_key(item)] = t
             proc, conn = _child()
             # One write at a time per process (at most one checkpoint is in flight).
@@ -139,7 +140,6 @@ def _writer_class():
             self.records = records
             fut: Future = Future()
             fut.set_result(results)
-            del torch
             return fut
 
     return ProcessWriter
