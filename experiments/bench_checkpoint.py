@@ -9,6 +9,7 @@ the state staged into pinned host memory; the full-state path is for the CPU).
     .venv/bin/python experiments/bench_checkpoint.py --sizes 24x1024 --paths "" --interleave
     .venv/bin/python experiments/bench_checkpoint.py --sizes 8x512 --paths sharded,sharded_async \
         --storage local,s3     # the sharded paths on local disk and on an S3 server side by side
+    .venv/bin/python experiments/bench_checkpoint.py --wall-steps 12 --sizes 12x1024   # a checkpoint's wall-clock cost: sync, thread, process
     .venv/bin/python experiments/bench_checkpoint.py --device cuda --nproc 1 --sizes 20x2048 \
         --strategies fsdp --paths sharded_async,dcp_async --repeat 1   # a GPU: gpu_check.sh
 
@@ -19,7 +20,8 @@ save call), seconds until persisted (from the save call until this rank's write,
 manifest share included, is done, timed by a thread while one training step runs), restore
 seconds (a fresh process group, a fresh model; checksums included for this project),
 bytes read per rank at restore (``rchar`` of /proc/self/io: page-cache reads count too)
-and the load's part of them (``rchar`` less the bytes the restore's checksum thread hashes)
+and the load's part of them (``rchar`` less the small files the restore's checksum thread
+hashes whole; the shards are verified block by block in the load's own reads)
 and peak RSS per rank; then the ratios against the first row. ``step s*``: one training
 step while the background write runs (the asynchronous path; against ``step s``, what
 the write costs the training it overlaps). Each row is the median of ``--repeat``
@@ -28,8 +30,8 @@ checkpoints after one warm-up.
 ``--storage s3``: the sharded paths write to an S3 server the bench starts in its own
 process (moto's ``ThreadedMotoServer`` on 127.0.0.1: a Python server, so its own CPU
 time shares the machine's cores with the ranks); restore bytes per rank are then the
-bytes the rank fetched from the store (its share downloaded for its checksums, the rest
-by ranged reads: ``CheckpointManager.read_bytes``), and disk MB the newest checkpoint's
+bytes the rank fetched from the store (its ranged reads, widened to the blocks of the
+shards' block checksums: ``CheckpointManager.read_bytes``), and disk MB the newest checkpoint's
 objects.
 
 ``--checkout REV``: the commit whose ``elastic_ddp`` is the full-state path (default:
@@ -150,6 +152,10 @@ def worker(args) -> None:
     path = args.path
     if path == "interleaved":
         return _interleaved(args, s, step, store, rank, ws, device)
+    if path.startswith("wall:"):
+        from bench_checkpoint_wall import wall_worker
+
+        return wall_worker(args, s, step, store, rank, ws)
     for k in range(args.repeat + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -224,14 +230,18 @@ def worker(args) -> None:
     if s3:  # from the store: the share downloaded and the ranged reads (rchar misses sockets)
         read = mr.read_bytes
     elif path.startswith("sharded"):
-        # The restore's checksum thread reads this rank's share of the files beside the load
-        # (the same pages: the second read comes from the page cache); rchar counts both.
+        # The restore's checksum thread reads this rank's share of the files hashed whole
+        # beside the load (shards with block checksums are verified in the load's own
+        # reads: only the small files are hashed apart); rchar counts both.
         from elastic_ddp.checkpoint import MANIFEST
         from elastic_ddp.checkpoint.checksum import share_of
+        from elastic_ddp.checkpoint.verified_read import verifiable
 
         ck = max(store.rglob(MANIFEST), key=lambda f: f.parent.name)  # the restored one: the newest
-        files = json.loads(ck.read_text())["files"]
-        hashed = sum(files[n]["bytes"] for n in share_of(sorted(files), rank, ws))
+        manifest = json.loads(ck.read_text())
+        files = manifest["files"]
+        hashed = sum(files[n]["bytes"] for n in share_of(sorted(files), rank, ws)
+                     if not (verifiable(manifest) and n.endswith(".distcp")))
     out = {"rank": rank, "step_s": step_s,
            "during_s": statistics.median(during) if during else None,
            "blocked_s": statistics.median(blocked),
@@ -475,12 +485,24 @@ def main() -> None:
     ap.add_argument("--storage", default="local",
                     help="local, s3 or local,s3: where the sharded paths write (s3: an S3 server "
                          "of the bench's own, moto's, on 127.0.0.1; the other paths: local only)")
+    ap.add_argument("--wall-steps", type=int, default=0,
+                    help="measure instead the wall-clock cost of a checkpoint: a job of this "
+                         "many steps without checkpoints and with one every 2 steps, per way "
+                         "(--wall-modes), side by side (bench_checkpoint_wall.py)")
+    ap.add_argument("--wall-modes", default="none,sync,thread,process",
+                    help="with --wall-steps: a subset of none, sync, thread, process")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size"), ap.add_argument("--strategy"), ap.add_argument("--path")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.wall_steps:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_checkpoint_wall import run_wall
+
+        return run_wall(args.sizes, args.strategies, args.wall_steps, max(1, args.repeat),
+                        [m for m in args.wall_modes.split(",") if m], ROOT, Path(__file__).resolve())
     if args.driver_sizes:
         print(f"{'size':>8} {'weights MB':>10} {'driver peak RSS MB':>18} {'RSS - weights':>13}")
         for size in args.driver_sizes.split(","):

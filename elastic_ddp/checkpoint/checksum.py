@@ -27,6 +27,13 @@ ALGOS = (ALGO, LEGACY_ALGO)
 #: One read's size: large enough that the hash runs without the GIL (xxhash: above
 #: 64 KiB, zlib: above 5 KiB) and syscalls are few; small enough to stay in the CPU's cache.
 _CHUNK = 4 << 20
+#: The bytes of one block of a shard's block checksums (``BLOCKS``: the XXH3 of every
+#: block, so that a restore that reads part of a shard verifies what it reads; a read is
+#: widened to whole blocks: at most two blocks more per run of bytes read).
+BLOCK = 16 << 10
+#: The record field of a shard's block checksums: 16 hex digits per block of ``BLOCK``
+#: bytes (the last one shorter), concatenated.
+BLOCKS = "xxh3_64_blocks"
 _local = threading.local()
 
 
@@ -83,10 +90,39 @@ def digest_bytes(data: bytes, algo: str = ALGO):
     return h.value()
 
 
-def digest_stream(f, algo: str = ALGO) -> tuple[object, int]:
+class _Blocks:
+    """The XXH3 of every ``BLOCK`` bytes of a stream fed in pieces of any size."""
+
+    def __init__(self) -> None:
+        import xxhash
+
+        self.new = xxhash.xxh3_64
+        self.h, self.fill, self.out = self.new(), 0, []
+
+    def update(self, b) -> None:
+        b = memoryview(b)
+        while len(b):
+            k = min(BLOCK - self.fill, len(b))
+            self.h.update(b[:k])
+            self.fill += k
+            b = b[k:]
+            if self.fill == BLOCK:
+                self.out.append(self.h.hexdigest())
+                self.h, self.fill = self.new(), 0
+
+    def value(self) -> str:
+        if self.fill:
+            self.out.append(self.h.hexdigest())
+            self.h, self.fill = self.new(), 0
+        return "".join(self.out)
+
+
+def digest_stream(f, algo: str = ALGO, blocks: bool = False) -> tuple[object, int]:
     """(checksum, bytes) of a binary stream read to its end, 4 MiB at a time into one
-    buffer of this thread's (``readinto`` where the stream has it: no allocation per read)."""
+    buffer of this thread's (``readinto`` where the stream has it: no allocation per read).
+    ``blocks``: (checksum, bytes, the block checksums: ``BLOCKS``'s value)."""
     h = _hasher(algo)
+    hb = _Blocks() if blocks else None
     n = 0
     if hasattr(f, "readinto"):
         buf = getattr(_local, "buf", None) or bytearray(_CHUNK)
@@ -94,26 +130,52 @@ def digest_stream(f, algo: str = ALGO) -> tuple[object, int]:
         view = memoryview(buf)
         while k := f.readinto(buf):
             h.update(view[:k])
+            if hb is not None:
+                hb.update(view[:k])
             n += k
     else:
         while b := f.read(_CHUNK):
             h.update(b)
+            if hb is not None:
+                hb.update(b)
             n += len(b)
-    return h.value(), n
+    return (h.value(), n, hb.value()) if hb is not None else (h.value(), n)
 
 
-def file_record(fs, path: str, algo: str = ALGO) -> dict:
-    """``{"bytes": n, algo: checksum}`` of one file (read once). A local file is read with
-    ``open`` (unbuffered): pyarrow's local stream copies each read once more."""
+def block_mismatch(record: dict, data, start: int) -> str:
+    """Where ``data`` (the bytes of a file from offset ``start``, a multiple of ``BLOCK``,
+    to a block's end or the file's) differs from the block checksums of ``record`` (its
+    manifest record): ``"xxh3_64 <got> of bytes a-b, the manifest says <want>"``, or ""."""
+    import xxhash
+
+    want = record[BLOCKS]
+    view = memoryview(data)
+    for i in range(0, len(view), BLOCK):
+        k = (start + i) // BLOCK
+        got = xxhash.xxh3_64_hexdigest(view[i:i + BLOCK])
+        if got != want[16 * k:16 * k + 16]:
+            end = start + min(i + BLOCK, len(view))
+            return (f"{ALGO} {got} of bytes {start + i}-{end}, the manifest says "
+                    f"{want[16 * k:16 * k + 16] or 'no such block'}")
+    return ""
+
+
+def file_record(fs, path: str, algo: str = ALGO, blocks: bool = False) -> dict:
+    """``{"bytes": n, algo: checksum}`` of one file (read once); ``blocks``: with its block
+    checksums (``BLOCKS``) too. A local file is read with ``open`` (unbuffered): pyarrow's
+    local stream copies each read once more."""
     import pyarrow.fs as pafs
 
     if isinstance(fs, pafs.LocalFileSystem):
         with open(path, "rb", buffering=0) as f:
-            value, n = digest_stream(f, algo)
+            got = digest_stream(f, algo, blocks)
     else:
         with fs.open_input_stream(path) as f:
-            value, n = digest_stream(f, algo)
-    return {"bytes": n, algo: value}
+            got = digest_stream(f, algo, blocks)
+    out = {"bytes": got[1], algo: got[0]}
+    if blocks:
+        out[BLOCKS] = got[2]
+    return out
 
 
 def _show(value) -> str:

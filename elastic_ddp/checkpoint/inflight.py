@@ -135,9 +135,14 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
     stager = _stager(device)
     extra = {"async_stager": stager} if stager is not None else {}
     target = dest if local else staging_dir()
+    if getattr(manager, "writer", "thread") == "process":
+        from elastic_ddp.checkpoint.writer_process import process_writer
+
+        writer = process_writer(target)  # serialisation and checksums in a process
+    else:
+        writer = FileSystemWriter(target)
     try:
-        future = async_save(state, storage_writer=FileSystemWriter(target), process_group=group,
-                            **extra)
+        future = async_save(state, storage_writer=writer, process_group=group, **extra)
     except BaseException:
         if not local:
             remove_staging(target)
@@ -149,7 +154,8 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
         try:
             try:
                 future.result()
-                records = manager.records(fs, target, dest, lead, local, fault_hook)
+                records = manager.records(fs, target, dest, lead, local, fault_hook,
+                                          known=getattr(writer, "records", None))
             except CheckpointWriteError as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - DCP's write, a checksum: one line too

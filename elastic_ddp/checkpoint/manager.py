@@ -83,6 +83,10 @@ class CheckpointManager:
                  world_size: int, collective: bool, log: Callable[[str], None] = print,
                  tracker=None, strategy_name: str = "ddp", fence: Optional[Fence] = None):
         self.storage, self.run_name, self.config = storage, run_name, config
+        #: Where an asynchronous checkpoint is serialised: "thread" (a thread of this
+        #: process) or "process" (``checkpoint.writer_process``); the config's
+        #: ``train.checkpoint_writer``.
+        self.writer = ((config or {}).get("train") or {}).get("checkpoint_writer", "thread")
         self.fence = fence
         self.rank, self.world_size, self.collective = rank, world_size, collective
         self.log, self.tracker, self.strategy_name = log, tracker, strategy_name
@@ -179,7 +183,7 @@ class CheckpointManager:
         return dest
 
     def records(self, fs, target: str, dest: str, lead: bool, local: bool,
-                fault_hook=None) -> dict:
+                fault_hook=None, known: Optional[dict] = None) -> dict:
         """This rank's files of the checkpoint DCP wrote into local directory ``target``,
         with their sizes and checksums (read from ``target``); on a remote file system
         then uploaded into ``dest`` (``checkpoint.upload``).
@@ -189,7 +193,9 @@ class CheckpointManager:
         """
         me = self.rank if self.collective else 0
         mine = my_files(target, me, lead)
-        records = local_records(target, mine)
+        known = known or {}
+        records = {**local_records(target, [n for n in mine if n not in known]),
+                   **{n: known[n] for n in mine if n in known}}
         if fault_hook is not None and mine:
             fault_hook(os.path.join(target, mine[0]))
         if not local:

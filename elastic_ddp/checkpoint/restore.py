@@ -119,15 +119,26 @@ def load_verified(mgr, strategy, fs, path: str, manifest: dict,
 
     from elastic_ddp.checkpoint.remote_read import overlay, share_view
     from elastic_ddp.checkpoint.store_reader import StoreReader
+    from elastic_ddp.checkpoint.verified_read import VerifiedReader, verifiable
 
     local = isinstance(fs, pafs.LocalFileSystem)
-    # Object storage: this rank's share of the files downloaded (and verified there),
-    # the rest of what it loads by ranged reads; never the whole checkpoint.
-    view = (contextlib.nullcontext(path) if local
+    blocks = verifiable(manifest)
+    # Shards with block checksums: every byte DCP loads is read by a ranged read and
+    # verified (``VerifiedReader``), on local disk and object storage alike, so a rank
+    # reads about its share at any world size; the small files of its share (.metadata,
+    # run_state.json, config.json) are hashed whole. Else (older manifests) the share of
+    # the files is hashed whole: on object storage downloaded (and verified there), the
+    # rest of what a rank loads by ranged reads; never the whole checkpoint.
+    if blocks:
+        share = [n for n in share if not n.endswith(".distcp")]
+    view = (contextlib.nullcontext(path) if local or blocks
             else share_view(fs, path, sorted(set(share) | {".metadata"})))
     views: list = []
 
     def reader():
+        if blocks:
+            views.append(VerifiedReader(path, fs, manifest))
+            return views[-1]
         if local:
             return FileSystemReader(d)
         view, remote_bytes = overlay(fs, path, d)
@@ -135,7 +146,7 @@ def load_verified(mgr, strategy, fs, path: str, manifest: dict,
         return StoreReader(path, filesystem=view)
 
     with view as d:
-        check = start_verify(pafs.LocalFileSystem(), d, manifest, share)
+        check = start_verify(pafs.LocalFileSystem() if not blocks else fs, d, manifest, share)
         state, error = model_optimizer_state(strategy), None
         # Replicated tensors (ddp, zero1's model): each rank reads its share, then the
         # shares are broadcast; a world_size-fold read becomes one read and a broadcast.
@@ -150,7 +161,8 @@ def load_verified(mgr, strategy, fs, path: str, manifest: dict,
         # DCP wraps every rank's error in a CheckpointException (a BaseException).
         except (Exception, CheckpointException) as e:  # noqa: BLE001
             error = e
-        bad = mgr.all_ranks(check.result())
+        bad = mgr.all_ranks(check.result() + sorted(
+            {b for v in views if isinstance(v, VerifiedReader) for b in v.bad}))
         if bad:
             return bad, None
         if parts and not mgr.all_ranks([mgr.rank] if error is not None else []):
@@ -166,9 +178,13 @@ def load_verified(mgr, strategy, fs, path: str, manifest: dict,
             load_powersgd_keys(strategy, reader(), mgr.rank, mgr.world_size)
         with fs.open_input_stream(f"{path}/{RUN_STATE}") as f:
             run_state = json.loads(f.read())
-        if not local:
+        if blocks:  # the shards' verified reads, the small files hashed, run_state.json
+            mgr.read_bytes = (sum(v.bytes_read for v in views)
+                              + sum(manifest["files"][n]["bytes"] for n in share)
+                              + len(json.dumps(run_state)))
+        elif not local:
             mgr.read_bytes = (sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
-                          + sum(n() for n in views))
+                              + sum(n() for n in views))
     return [], run_state_of(run_state)
 
 

@@ -128,6 +128,7 @@ class StoreReader(StorageReader):
             raise ValueError(f"{self.path}/{METADATA}: no storage index (storage_data); "
                              "not a checkpoint written by torch.distributed.checkpoint")
         self.storage_data = metadata.storage_data
+        self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -149,13 +150,7 @@ class StoreReader(StorageReader):
                     f = handles.get(name)
                     if f is None:
                         f = handles[name] = self.fs.open_input_file(f"{self.path}/{name}")
-                data = f.read_at(end - start, start)
-                if len(data) != end - start:
-                    raise EOFError(f"{self.path}/{name}: {len(data)} bytes at offset {start}, "
-                                   f"{end - start} expected (the file is shorter than its index "
-                                   "says)")
-                self._count(name, len(data))
-                return data
+                return self._read(f, name, start, end)
 
             try:
                 todo = iter(ranges)
@@ -177,6 +172,25 @@ class StoreReader(StorageReader):
         return fut
 
     # ------------------------------------------------------------------- internals
+    def _read(self, f, name: str, start: int, end: int):
+        """Bytes ``start``-``end`` of file ``name`` (open as ``f``), counted."""
+        data = f.read_at(end - start, start)
+        if len(data) != end - start:
+            raise EOFError(f"{self.path}/{name}: {len(data)} bytes at offset {start}, "
+                           f"{end - start} expected (the file is shorter than its index says)")
+        self._count(name, len(data))
+        return data
+
+    def _joins(self, start: int, end: int, off: int, off_end: int) -> bool:
+        """Whether an item at ``off``-``off_end`` joins the read ``start``-``end``: adjacent,
+        within :data:`MAX_RANGE` (no byte outside the items is read)."""
+        return off == end and off_end - start <= MAX_RANGE
+
+    def _item_keys(self, req, info) -> tuple:
+        """``(file, offset, length, kind)`` of what ``req`` reads of its stored item
+        ``info``: the whole item (``kind`` None: a ``torch.save`` blob or raw bytes)."""
+        return info.relative_path, info.offset, info.length, None
+
     def _count(self, name: str, n: int) -> None:
         with self._lock:
             self.bytes_read += n
@@ -184,7 +198,7 @@ class StoreReader(StorageReader):
             self.files.add(name)
 
     def _ranges(self, plan: LoadPlan) -> list[tuple[str, int, int, list]]:
-        """``(file, start, end, [(offset, length, [read items])])`` reads: each file's
+        """``(file, start, end, [(offset, length, kind, [read items])])`` reads: each file's
         distinct items sorted by offset, adjacent ones joined up to :data:`MAX_RANGE`."""
         per_file: dict[str, dict[tuple[int, int], list]] = {}
         for req in plan.items:
@@ -193,17 +207,17 @@ class StoreReader(StorageReader):
                 raise ValueError(f"{self.path}: item {req.storage_index.fqn} was written with "
                                  f"stream transforms {list(info.transform_descriptors)}, which "
                                  "this reader does not apply")
-            per_file.setdefault(info.relative_path, {}).setdefault(
-                (info.offset, info.length), []).append(req)
+            name, off, length, kind = self._item_keys(req, info)
+            per_file.setdefault(name, {}).setdefault((off, length, kind), []).append(req)
         out = []
         for name, items in per_file.items():
             cur = None
-            for (off, length), reqs in sorted(items.items()):
-                if cur is not None and off == cur[2] and off + length - cur[1] <= MAX_RANGE:
-                    cur[2] = off + length
-                    cur[3].append((off, length, reqs))
+            for (off, length, kind), reqs in sorted(items.items(), key=lambda kv: kv[0][:2]):
+                if cur is not None and self._joins(cur[1], cur[2], off, off + length):
+                    cur[2] = max(cur[2], off + length)
+                    cur[3].append((off, length, kind, reqs))
                 else:
-                    cur = [name, off, off + length, [(off, length, reqs)]]
+                    cur = [name, off, off + length, [(off, length, kind, reqs)]]
                     out.append(cur)
         return [tuple(r) for r in out]
 
@@ -211,15 +225,18 @@ class StoreReader(StorageReader):
     def _load(data, rng, planner: LoadPlanner) -> None:
         _, start, _, items = rng
         view = memoryview(data)
-        for off, length, reqs in items:
+        for off, length, kind, reqs in items:
             raw = view[off - start: off - start + length]
             for req in reqs:
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(raw))
                     continue
-                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    tensor = tensor.narrow(dim, o, n)  # the part of the stored chunk asked for
+                if kind is not None:  # ("rows", dtype, shape): the asked part's raw bytes
+                    tensor = torch.frombuffer(bytearray(raw), dtype=kind[1]).view(kind[2])
+                else:
+                    tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                    for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                        tensor = tensor.narrow(dim, o, n)  # the part of the stored chunk asked for
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
                     raise ValueError(f"item {req.storage_index.fqn}: stored part "

@@ -78,13 +78,15 @@ def my_files(target: str, rank: int, lead: bool) -> list[str]:
 
 
 def local_records(target: str, names: list[str]) -> dict:
-    """``{name: {"bytes", "xxh3_64"}}`` of the local files ``names`` in ``target``."""
+    """``{name: {"bytes", "xxh3_64"}}`` of the local files ``names`` in ``target``; the
+    shards (``*.distcp``) with their block checksums too (``checksum.BLOCKS``)."""
     import pyarrow.fs as pafs
 
     from elastic_ddp.checkpoint.checksum import file_record
 
     local = pafs.LocalFileSystem()
-    return {n: file_record(local, os.path.join(target, n)) for n in names}
+    return {n: file_record(local, os.path.join(target, n), blocks=n.endswith(".distcp"))
+            for n in names}
 
 
 def upload_one(fs, src: str, key: str) -> None:

@@ -230,6 +230,11 @@ class TrainConfig(Section):
         "local, shared or object storage): the step loop waits only while the state is copied to "
         "host memory; a checkpoint counts once every rank's write and the manifest are done."
     )
+    checkpoint_writer: Literal["thread", "process"] = Field(
+        "thread", description="Where an asynchronous checkpoint is serialised and checksummed: "
+        "'thread' (a thread of each worker) or 'process' (a process of each worker's own, at a "
+        "lower CPU priority, fed from the staged host copy: it holds no GIL of the step loop)."
+    )
     checksum_every_steps: int = Field(
         0, ge=0, description="Compare a parameter checksum across ranks; 0 disables."
     )

@@ -388,7 +388,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert all(torch.equal(want[k], v) for k, v in fresh.module.state_dict().items())
 
 
-def test_the_manifest_names_its_algorithm_and_each_files_xxh3(tmp_path):
+def test_the_manifest_names_its_algorithm_and_each_files_xxh3_and_each_shards_blocks(tmp_path):
     import xxhash
 
     _single(tmp_path, [2])
@@ -397,9 +397,15 @@ def test_the_manifest_names_its_algorithm_and_each_files_xxh3(tmp_path):
     assert manifest["checksum"] == "xxh3_64"
     on_disk = sorted(p.name for p in d.iterdir() if p.name != MANIFEST)
     assert sorted(manifest["files"]) == on_disk, (manifest["files"], on_disk)
+    from elastic_ddp.checkpoint.checksum import BLOCK
+
     for name, rec in manifest["files"].items():
         data = (d / name).read_bytes()
-        assert rec == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}, name
+        want = {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+        if name.endswith(".distcp"):  # a shard: the XXH3 of each block too
+            want["xxh3_64_blocks"] = "".join(xxhash.xxh3_64_hexdigest(data[i:i + BLOCK])
+                                             for i in range(0, len(data), BLOCK))
+        assert rec == want, name
 
 
 def _as_crc32_manifest(d: Path) -> None:
