@@ -18,13 +18,22 @@ import torch.distributed as dist
 
 from elastic_ddp.checkpoint import MANIFEST, checkpoint_name
 from elastic_ddp.checkpoint.manager import CheckpointManager
+from elastic_ddp.config import Config
 from elastic_ddp.checkpoint.state import model_optimizer_state
-from helpers import start_ranks
-from test_checkpoint_restore_bytes import RUN
-from test_checkpoint_s3 import _cfg
-from test_checkpoint_sharded import _exits_cleanly
+from helpers import exits_cleanly, start_ranks
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
+
+RUN = "writerrun"
+
+
+def _cfg(strategy: str) -> Config:
+    return Config.from_dict({
+        "data": {"train_path": "unused"}, "task": {"kwargs": {"block_size": 16}},
+        "model": {"name": "gpt", "kwargs": {"n_embd": 128, "n_head": 2, "n_layer": 2}},
+        "optim": {"name": "adamw", "lr": 3e-3}, "parallel": {"strategy": strategy},
+        "scaling": {"min_workers": 1, "max_workers": 3},
+        "batch": {"global_batch_size": 12, "micro_batch_size": 12, "policy": "uneven"}})
 
 
 def _sums(strategy) -> dict:
@@ -105,7 +114,7 @@ def _job(rank, ws, job, out):
         Path(out, job["result"]).write_text(json.dumps(parts))
 
 
-@_exits_cleanly
+@exits_cleanly
 def _worker(rank, ws, init_file, env, jobs, out):
     os.environ.update(env)
     torch.set_num_threads(1)

@@ -25,9 +25,8 @@ from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
-from helpers import start_ranks
-from s3_proxy import S3Proxy
-from test_checkpoint_sharded import _exits_cleanly
+from helpers import exits_cleanly, start_ranks
+from helpers.s3_proxy import S3Proxy
 
 RUN = "bytesrun"
 STRATEGIES = ("ddp", "fsdp")
@@ -88,7 +87,7 @@ def _job(rank, ws, job, out):
         Path(out, job["result"]).write_text(json.dumps(parts))
 
 
-@_exits_cleanly
+@exits_cleanly
 def _worker(rank, ws, init_file, env, jobs, out):
     os.environ.update(env)
     torch.set_num_threads(1)
