@@ -24,6 +24,7 @@ from typing import Any
 
 from elastic_ddp.checkpoint.checksum import ALGO, BLOCK, BLOCKS, block_mismatch
 from elastic_ddp.checkpoint.store_reader import StoreReader
+from elastic_ddp.errors import ElasticDDPError
 
 #: A stored chunk is read in part (its rows) only above this many bytes: a smaller one
 #: is read whole (its zip index would cost about as much as the rest).
@@ -33,8 +34,10 @@ PART_MIN = 4 * BLOCK
 HEAD = 2048
 
 
-class BadBlock(OSError):
-    """A block of a shard whose checksum is not the manifest's."""
+class BadBlock(ElasticDDPError, OSError):
+    """A block of a shard whose checksum is not the manifest's. An ``OSError`` too: the
+    restore treats it as a damaged file (the checkpoint is rejected, the previous one
+    tried)."""
 
 
 def verifiable(manifest: dict) -> bool:
