@@ -287,6 +287,19 @@ def rank_context():
     return ctx
 
 
+
+def gpt_checkpoint_config(strategy: str, n_embd: int = 128, n_layer: int = 2):
+    """The small GPT job the checkpoint tests save and restore on gloo ranks: global batch
+    12 split unevenly over 1-3 ranks."""
+    from elastic_ddp.config import Config
+
+    return Config.from_dict({
+        "data": {"train_path": "unused"}, "task": {"kwargs": {"block_size": 16}},
+        "model": {"name": "gpt", "kwargs": {"n_embd": n_embd, "n_head": 2, "n_layer": n_layer}},
+        "optim": {"name": "adamw", "lr": 3e-3}, "parallel": {"strategy": strategy},
+        "scaling": {"min_workers": 1, "max_workers": 3},
+        "batch": {"global_batch_size": 12, "micro_batch_size": 12, "policy": "uneven"}})
+
 def start_ranks(fn, args: tuple, nprocs: int) -> None:
     """``torch.multiprocessing.start_processes(fn, args, nprocs)`` with its ranks forked by
     :func:`rank_context`'s server; raises as ``start_processes`` does when a rank fails."""

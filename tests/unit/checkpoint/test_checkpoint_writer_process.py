@@ -20,7 +20,7 @@ from elastic_ddp.checkpoint import MANIFEST, checkpoint_name
 from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.checkpoint.state import model_optimizer_state
-from helpers import exits_cleanly, start_ranks
+from helpers import exits_cleanly, gpt_checkpoint_config, start_ranks
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
 
@@ -28,12 +28,7 @@ RUN = "writerrun"
 
 
 def _cfg(strategy: str) -> Config:
-    return Config.from_dict({
-        "data": {"train_path": "unused"}, "task": {"kwargs": {"block_size": 16}},
-        "model": {"name": "gpt", "kwargs": {"n_embd": 128, "n_head": 2, "n_layer": 2}},
-        "optim": {"name": "adamw", "lr": 3e-3}, "parallel": {"strategy": strategy},
-        "scaling": {"min_workers": 1, "max_workers": 3},
-        "batch": {"global_batch_size": 12, "micro_batch_size": 12, "policy": "uneven"}})
+    return gpt_checkpoint_config(strategy)
 
 
 def _sums(strategy) -> dict:
