@@ -293,7 +293,11 @@ def val_batches(info: DatasetInfo, task: Task, seed: int, epoch: int, rank: int,
     """This rank's batches of the validation split (:func:`val_share`: its run of the
     split's batches of ``batch_size`` rows, of at most ``max_batches`` batches in all),
     transformed with ``split="val"``; empty batches (shaped like ``template``) once the
-    share is used up, so every rank runs the same number of forward passes."""
+    share is used up, so every rank runs the same number of forward passes.
+
+    A share of at most ``LOCAL_FIRST_ROUND_BYTES`` of Parquet is read and transformed in
+    this process (``local``), a larger one by Ray Data's tasks: the rows and values are
+    the same either way (the same read and transform functions)."""
     lo, hi, n_batches = val_share(info.num_rows, batch_size, rank, world_size, max_batches)
     windows, start = [], 0
     for g in info.row_groups:
@@ -301,6 +305,11 @@ def val_batches(info: DatasetInfo, task: Task, seed: int, epoch: int, rank: int,
         if b > a:
             windows.append(Window(0, 0, (Piece(g.file, g.index, a - start, b - start),), b - a, ()))
         start += g.num_rows
+    # A Ray Data execution per evaluation starts its read-task workers and plans the
+    # pipeline: seconds on 2 cores (6.7 s for digits' 360 val rows at 2 ranks), where a
+    # small share reads in milliseconds here. What it costs: a large share's transform on
+    # one core of this process instead of read_tasks tasks, hence the bound.
+    local = local or window_bytes(info, windows) <= LOCAL_FIRST_ROUND_BYTES
     buf: list[dict[str, np.ndarray]] = []
     have = sent = 0
     for batch in pipeline(info, task, windows, seed, epoch, "val", local):

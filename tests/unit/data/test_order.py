@@ -215,6 +215,46 @@ def test_val_batches_same_count_on_every_rank_and_every_row_once(tmp_path):
             assert sorted(i for b in got for i in b) == list(range(0, 10 * rows, 10))
 
 
+VAL_IN_PROCESS = """
+import json, sys
+import numpy as np
+from elastic_ddp.data.ingest import val_batches
+from elastic_ddp.data.scan import scan_parquet
+from elastic_ddp.tasks.protocol import Column, Task
+
+class Echo(Task):
+    columns = {"x": Column.integer()}
+    def loss(self, model, batch):
+        raise NotImplementedError
+
+info = scan_parquet(sys.argv[1], Echo.columns)
+T = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64)}
+ids = [[b["sample_id"].tolist() for b in val_batches(info, Echo(), 0, 0, r, 2, 4, None, T)]
+       for r in range(2)]
+import ray
+print(json.dumps({"ids": ids, "ray_started": ray.is_initialized()}))
+"""
+
+
+def test_a_small_val_share_is_read_in_the_ranks_process_not_by_ray_data(tmp_path):
+    """An evaluation of a few MiB builds no Ray Data pipeline (whose start costs seconds
+    per evaluation), with the same batches as the reader run in-process."""
+    import json
+    import subprocess
+    import sys
+
+    _data(tmp_path, n=50, files=2, rg=7)
+    out = subprocess.run([sys.executable, "-c", VAL_IN_PROCESS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ray_started"] is False  # a Ray Data execution starts (or joins) Ray
+    info = scan_parquet(tmp_path, Echo.columns)
+    want = [[b["sample_id"].tolist() for b in val_batches(info, Echo(), 0, 0, r, 2, 4, None, T, local=True)]
+            for r in range(2)]
+    assert got["ids"] == want and sum(len(b) for r in want for b in r) == 50
+
+
 def test_a_view_change_reuses_the_windows_held_and_reads_the_rest_first(tmp_path):
     """Per-step fault tolerance: rank 0 of 2 trains alone (view (0, 1)) from step 3 on.
     Its new reader takes the windows its (0, 2) reader holds and reads only the other
