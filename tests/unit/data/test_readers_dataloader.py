@@ -29,7 +29,8 @@ N, G = 600, 24
 class Noisy(Task):
     """``x``: the row's id; the transform adds a draw from the row's own generator
     (``(seed, epoch, sample_id)``) and a float column, so that a row handed to the wrong
-    step, epoch or id shows."""
+    step, epoch or id shows; a ragged object column and one of equal rows (a fixed-length
+    list column: stacked for the handover, ``data.chunks.StackedRows``)."""
 
     columns = {"x": Column.integer()}
 
@@ -38,14 +39,18 @@ class Noisy(Task):
         ragged = np.empty(len(noise), dtype=object)  # an object column: pickled, not shared
         for i, v in enumerate(noise):
             ragged[i] = np.arange(v % 5, dtype=np.int32)
-        return {"x": batch["x"] * 1000 + noise, "f": batch["x"].astype(np.float32) / 7, "r": ragged}
+        fixed = np.empty(len(noise), dtype=object)  # equal rows: stacked for the handover
+        for i, v in enumerate(noise):
+            fixed[i] = np.array([v, v + 1, v + 2], dtype=np.int16)
+        return {"x": batch["x"] * 1000 + noise, "f": batch["x"].astype(np.float32) / 7, "r": ragged,
+                "l": fixed}
 
     def loss(self, model, batch):  # pragma: no cover - never trained here
         raise NotImplementedError
 
 
 T = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64), "f": np.zeros(0, np.float32),
-     "r": np.zeros(0, object)}
+     "r": np.zeros(0, object), "l": np.zeros(0, object)}
 
 
 def _data(tmp: Path, n=N, files=3, rg=8) -> Path:
