@@ -100,6 +100,22 @@ def _unstacked(rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` with each object column whose rows are views of one buffer (a stacked
+    column, :func:`from_shared`) copied into a buffer of its own rows: a reader that keeps
+    a subset of a batch's rows for long then holds those rows, not the whole buffer of
+    the batch they came in. Other columns as they are."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, np.ndarray) and v.dtype == object and len(v):
+            base = getattr(v[0], "base", None)
+            if isinstance(base, np.ndarray) and base.ndim == v[0].ndim + 1 and all(
+                    getattr(r, "base", None) is base for r in v):
+                v = _unstacked(np.stack(list(v)))
+        out[k] = v
+    return out
+
+
 def from_shared(batch: dict[str, Any]) -> dict[str, np.ndarray]:
     """A batch handed over by a worker, its tensors back as numpy arrays and its stacked
     columns back as object columns of row arrays (the trainer's process side of

@@ -31,6 +31,7 @@ import pytest
 from conftest import alive_train_workers, digits_config
 from elastic_ddp import train
 from elastic_ddp.config import Config
+from elastic_ddp.data.chunks import own_rows
 from elastic_ddp.data.workers import READ_AHEAD_CHUNKS, WindowStream, data_workers
 from elastic_ddp.tasks.transform import SEQ
 from helpers.data_workers import ListRows, Pids, forkserver_of, gone_within, processes
@@ -104,6 +105,11 @@ def test_a_fixed_length_list_column_arrives_as_one_buffer(tmp_path):
         assert base is not None and base.shape == (len(fixed), 3)
         assert all(r.base is base for r in fixed)  # views of one [B, 3] buffer
         assert all(r.base is None or r.base is not base for r in ragged)  # row by row
+        # Rows kept for long (the permutation reader's share) get a buffer of their own.
+        kept = own_rows({k: v[::2] for k, v in b.items()})
+        assert kept["fixed"][0].base.shape == (len(kept["x"]), 3)
+        assert all(np.array_equal(r, np.arange(x, x + 3)) for r, x in zip(kept["fixed"], kept["x"]))
+        assert kept["ragged"] is not None and len(kept["ragged"]) == len(kept["x"])
 
 
 def test_a_dropped_stream_holds_nothing_up(tmp_path):
