@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional, Union
+from typing import Optional, Union
 
 from elastic_ddp.compat.versions import RayPlan, preemption_notice_line, preemption_supported
 from elastic_ddp.config import Config
@@ -31,63 +31,13 @@ def storage_root(cfg: Config) -> str:
     return p if is_uri(p) else local_path(p)
 
 
-# The training workers' environment, unless the user set the variable (worker_env_vars).
-# MALLOC_ARENA_MAX: glibc's malloc gives threads up to 8 x cores arenas, and free memory in
-# one arena serves only the threads attached to it. A trainer's process has dozens of
-# threads (Ray's, gloo's, the reader's: each round of windows is received by a new read
-# thread, attached to whichever arena glibc picks), and the rows of a ragged object column
-# (variable-length lists, strings: data.chunks pickles them row by row) arrive as one small
-# allocation each, made by that thread. Freed after their step, they leave fragmented free
-# space in many arenas, which the next round's thread, in another arena, does not reuse: the
-# worker's RSS grows by megabytes per step through an epoch (malloc's bytes in use stay
-# flat, its free bytes grow), up to a ceiling that scales with the core count. With two
-# arenas later rounds reuse that space and the RSS levels off: 4 KiB rows pickled one by
-# one, 2 workers, 147 steps: peak 917 MiB with glibc's default, 702 MiB with 2 arenas.
-# What it costs: threads that allocate at the same time share two arena locks; the
-# worker's allocating threads are few and mostly take turns holding the GIL.
-WORKER_ENV_DEFAULTS: tuple[tuple[str, str], ...] = (("MALLOC_ARENA_MAX", "2"),)
-# The glibc tunable (GLIBC_TUNABLES) that sets the same as a variable: a user's tunable counts
-# as the user's setting.
-_TUNABLES = {"MALLOC_ARENA_MAX": "glibc.malloc.arena_max"}
-
-
-def worker_env_vars(spec: "TrainerSpec", environ: Mapping[str, str],
-                    job_env_vars: Mapping[str, str]) -> dict[str, str]:
-    """``spec``'s worker environment defaults that the user did not set: in ``environ``
-    (the driver's environment, which a local cluster's workers inherit and a submitted
-    job's runtime env writes into), in ``job_env_vars`` (the job's runtime env), or as
-    the matching glibc tunable in either's ``GLIBC_TUNABLES``. Pure."""
-    out = {}
-    for name, value in spec.worker_env_defaults:
-        tunable = _TUNABLES.get(name)
-        if any(name in env or (tunable and tunable in env.get("GLIBC_TUNABLES", ""))
-               for env in (environ, job_env_vars)):
-            continue
-        out[name] = value
-    return out
-
-
-def job_env_vars() -> dict[str, str]:
-    """The ``env_vars`` of the connected Ray job's runtime env ({} without Ray or one)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return {}
-        return dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
-    except Exception:  # noqa: BLE001 - no runtime env to read: nothing the user set there
-        return {}
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainerSpec:
     """What the job's ``TorchTrainer`` gets (built by :func:`trainer_spec`).
 
     ``env``: ``RAY_TRAIN_*`` settings written into ``os.environ`` as they are;
     ``env_defaults``: written unless a person set them (a value an earlier job of this
-    process wrote is replaced). ``worker_env_defaults``: the training workers' processes
-    start with these in their environment unless the user set them
-    (:func:`worker_env_vars`; :data:`WORKER_ENV_DEFAULTS`). ``preemption``: a notice becomes a checkpoint (restart
+    process wrote is replaced). ``preemption``: a notice becomes a checkpoint (restart
     mode) or a replica leaving its quorum (per-step mode), charged to the preemption
     budget (``worker.notice``); ``notice_line``: the line a job prints where this Ray
     cannot do that. ``num_workers``: an int (fixed) or ``(min, max)`` (elastic).
@@ -101,7 +51,6 @@ class TrainerSpec:
     storage: str
     env: tuple[tuple[str, str], ...]
     env_defaults: tuple[tuple[str, str], ...]
-    worker_env_defaults: tuple[tuple[str, str], ...]
     preemption: bool
     notice_line: Optional[str]
     use_gpu: bool
@@ -165,7 +114,7 @@ def trainer_spec(cfg: Config, plan: RayPlan, storage: str, cluster_gpus: float =
                s.grow_checkpoint_timeout_s if elastic and s.fault_tolerance == "restart" else None))
     return TrainerSpec(
         run_name=cfg.run.name, storage=storage, env=env, env_defaults=env_defaults,
-        worker_env_defaults=WORKER_ENV_DEFAULTS, preemption=preempt,
+        preemption=preempt,
         notice_line=preemption_notice_line(plan) if s.preemption_checkpoint else None,
         use_gpu=use_gpu, num_workers=num_workers, cpus_per_worker=s.cpus_per_worker,
         gpus_per_worker=s.gpus_per_worker,
@@ -259,12 +208,6 @@ def build_trainer(cfg: Config, job, tracker, spec: Optional[TrainerSpec] = None)
     # Preemptions have their own budget where Ray Train counts them (2.60).
     preemptions = ({"max_preemption_failures": spec.max_preemptions}
                    if "max_preemption_failures" in FailureConfig.__dataclass_fields__ else {})
-    # The workers' environment defaults (WORKER_ENV_DEFAULTS) the user did not set, in the
-    # worker actors' runtime env: read by glibc when a worker's process starts. Ray merges
-    # these env_vars into the job's own.
-    worker_env = worker_env_vars(spec, os.environ, job_env_vars())
-    runtime = ({"worker_runtime_env": {"env_vars": worker_env}}
-               if worker_env and "worker_runtime_env" in RunConfig.__dataclass_fields__ else {})
     return trainer_class(TorchTrainer, plan)(
         train_func,
         # Pickled here: the controller unpickles train_loop_config when it starts, and the
@@ -281,7 +224,7 @@ def build_trainer(cfg: Config, job, tracker, spec: Optional[TrainerSpec] = None)
                                          controller_failure_limit=spec.controller_failure_limit,
                                          **preemptions),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.keep_checkpoints),
-            callbacks=callbacks, **runtime),
+            callbacks=callbacks),
         # Each rank reads its own rows through its own Ray Data pipeline
         # (elastic_ddp.data.ingest): no dataset is split by Ray Train.
     )

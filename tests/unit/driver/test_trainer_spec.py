@@ -96,27 +96,3 @@ print(json.dumps({{"ray": "ray" in sys.modules, "workers": spec.num_workers}}))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"ray": False, "workers": 2}
-
-
-def test_the_workers_allocator_default_yields_to_the_users_setting(tmp_path, monkeypatch):
-    # MALLOC_ARENA_MAX=2 in the training workers' environment (trainer_spec.
-    # WORKER_ENV_DEFAULTS), unless the user set it: in the driver's environment, in the
-    # job's runtime env, or as the glibc tunable.
-    spec = _spec(tmp_path, {})
-    assert dict(spec.worker_env_defaults) == {"MALLOC_ARENA_MAX": "2"}
-    assert ts.worker_env_vars(spec, {}, {}) == {"MALLOC_ARENA_MAX": "2"}
-    assert ts.worker_env_vars(spec, {"MALLOC_ARENA_MAX": "8"}, {}) == {}
-    assert ts.worker_env_vars(spec, {}, {"MALLOC_ARENA_MAX": "4"}) == {}
-    assert ts.worker_env_vars(spec, {}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}) == {}
-    assert ts.worker_env_vars(spec, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, {}) == \
-        {"MALLOC_ARENA_MAX": "2"}
-
-    from elastic_ddp.driver.launcher import build_trainer
-
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    cfg = Config.from_dict(digits_config(tmp_path, tmp_path))
-    rc = build_trainer(cfg, job=None, tracker=None).run_config
-    assert rc.worker_runtime_env == {"env_vars": {"MALLOC_ARENA_MAX": "2"}}
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # the user's, left alone
-    assert build_trainer(cfg, job=None, tracker=None).run_config.worker_runtime_env == {}
