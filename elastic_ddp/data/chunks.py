@@ -1,7 +1,8 @@
 """What a DataLoader worker of ``data.reader: dataloader`` does (``data.workers``): a read
 chunk (:class:`ChunkKey`: the windows of one read item, the epoch's transform seed and
 split) read and transformed into one batch per window, and handed to the trainer's
-process, numeric columns as tensors in shared memory. A chunk whose read or transform
+process, numeric columns as tensors in shared memory (an object column of equal arrays,
+a fixed-length list column, stacked into one). A chunk whose read or transform
 raises is handed over as its error (:class:`ChunkFailed`), re-raised by the run that
 takes it.
 
@@ -12,7 +13,7 @@ forked from a server that imported it once.
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -35,14 +36,50 @@ class ChunkKey(NamedTuple):
     windows: tuple[Window, ...]
 
 
+class StackedRows(NamedTuple):
+    """An object column whose rows are arrays of one shape and dtype (a fixed-length list
+    column), stacked into one tensor ``[B, ...]`` for the handover (:func:`_to_shared`)."""
+
+    tensor: Any
+
+
+def _stacked(v: np.ndarray) -> Optional[np.ndarray]:
+    """The rows of object column ``v`` stacked (``[B, ...]``), or None where they are not
+    all arrays of one shape and numeric dtype."""
+    if not len(v) or not all(isinstance(r, np.ndarray) for r in v):
+        return None
+    first = v[0]
+    if first.dtype == object or any(r.shape != first.shape or r.dtype != first.dtype for r in v):
+        return None
+    return np.stack(list(v))
+
+
 def _to_shared(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """Numeric columns as tensors (a DataLoader worker hands a tensor over in shared
-    memory; a numpy array would be pickled through a pipe); object columns as they are."""
+    memory; a numpy array would be pickled through a pipe); an object column of equal
+    arrays (a fixed-length list column) as one such tensor (:class:`StackedRows`); other
+    object columns as they are.
+
+    A fixed-length list column pickled row by row would arrive as one small array per
+    row, allocated by the trainer's receiving thread: a window's rows scattered through
+    malloc's arenas, freed after their steps into fragments the later windows' rows do
+    not fill (the trainer's RSS grows by megabytes per step). Stacked, a window's rows
+    arrive in one shared-memory mapping, unmapped when the last row is dropped. What it
+    costs: one copy of the column in the worker (the stack), and the window's mapping
+    lives as long as any of its rows (a step's rows span at most two windows per
+    partition)."""
     import torch
 
     out = {}
     for k, v in batch.items():
-        if isinstance(v, np.ndarray) and v.dtype != object:
+        if isinstance(v, np.ndarray) and v.dtype == object:
+            rows = _stacked(v)
+            if rows is not None:
+                try:
+                    v = StackedRows(torch.from_numpy(rows))
+                except TypeError:  # a dtype torch has no tensor of: pickled row by row
+                    pass
+        elif isinstance(v, np.ndarray):
             try:
                 with warnings.catch_warnings():
                     # Arrow's arrays are read-only; the tensor is only copied into shared
@@ -55,12 +92,38 @@ def _to_shared(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     return out
 
 
+def _unstacked(rows: np.ndarray) -> np.ndarray:
+    """``[B, ...]`` as an object column of its ``B`` rows (views)."""
+    out = np.empty(len(rows), dtype=object)
+    for i, r in enumerate(rows):
+        out[i] = r
+    return out
+
+
+def own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` with each object column whose rows are views of one buffer (a stacked
+    column, :func:`from_shared`) copied into a buffer of its own rows: a reader that keeps
+    a subset of a batch's rows for long then holds those rows, not the whole buffer of
+    the batch they came in. Other columns as they are."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, np.ndarray) and v.dtype == object and len(v):
+            base = getattr(v[0], "base", None)
+            if isinstance(base, np.ndarray) and base.ndim == v[0].ndim + 1 and all(
+                    getattr(r, "base", None) is base for r in v):
+                v = _unstacked(np.stack(list(v)))
+        out[k] = v
+    return out
+
+
 def from_shared(batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    """A batch handed over by a worker, its tensors back as numpy arrays (the trainer's
-    process side of :func:`_to_shared`)."""
+    """A batch handed over by a worker, its tensors back as numpy arrays and its stacked
+    columns back as object columns of row arrays (the trainer's process side of
+    :func:`_to_shared`)."""
     import torch
 
-    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {k: _unstacked(v.tensor.numpy()) if isinstance(v, StackedRows)
+            else v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def as_is(item):

@@ -25,6 +25,7 @@ import numpy as np
 from elastic_ddp.background import Background
 from elastic_ddp.data.ingest import (READ_AHEAD_BYTES, READ_TASK_BYTES, ReadSlots, concat_rows, epoch_order,
                                      pipeline, take_rows, window_bytes)
+from elastic_ddp.data.chunks import own_rows
 from elastic_ddp.data.order import EpochOrder, Piece, Window, owner
 from elastic_ddp.data.scan import DatasetInfo
 from elastic_ddp.data.workers import WindowStream, dataloader_batches, has_workers
@@ -299,7 +300,9 @@ class PermutationReader:
             hit = np.isin(offsets, self._wanted, assume_unique=True)
             if hit.any():
                 kept_rows.append(offsets[hit])
-                kept.append(take_rows(batch, hit))
+                # Its own copy of a stacked column's rows kept: views would hold the
+                # whole batch's buffer, every rank's rows of it, for the epoch.
+                kept.append(own_rows(take_rows(batch, hit)))
         self._rows = np.concatenate(kept_rows) if kept_rows else np.zeros(0, np.int64)
         order = np.argsort(self._rows)
         self._rows = self._rows[order]

@@ -35,6 +35,23 @@ class Pids(Task):
         raise NotImplementedError
 
 
+class ListRows(Task):
+    """Two object columns of per-row arrays: ``fixed``, every row ``[x, x + 1, x + 2]``
+    (int16: a fixed-length list column); ``ragged``, row ``x`` of ``x % 3`` elements."""
+
+    columns = {"x": Column.integer()}
+
+    def transform(self, batch, ctx):
+        fixed, ragged = np.empty(len(batch["x"]), object), np.empty(len(batch["x"]), object)
+        for i, x in enumerate(batch["x"]):
+            fixed[i] = np.arange(x, x + 3, dtype=np.int16)
+            ragged[i] = np.arange(x % 3, dtype=np.int64)
+        return {"x": batch["x"], "fixed": fixed, "ragged": ragged}
+
+    def loss(self, model, batch):  # pragma: no cover - never trained here
+        raise NotImplementedError
+
+
 def windows(tmp: Path, epoch: int):
     cfg = Config.from_dict({"data": {"train_path": str(tmp), "shuffle_window_rows": 40, "partitions": 4},
                             "task": {"path": "tests:Echo"}, "batch": {"global_batch_size": 16},

@@ -31,9 +31,10 @@ import pytest
 from conftest import alive_train_workers, digits_config
 from elastic_ddp import train
 from elastic_ddp.config import Config
+from elastic_ddp.data.chunks import own_rows
 from elastic_ddp.data.workers import READ_AHEAD_CHUNKS, WindowStream, data_workers
 from elastic_ddp.tasks.transform import SEQ
-from helpers.data_workers import Pids, forkserver_of, gone_within, processes
+from helpers.data_workers import ListRows, Pids, forkserver_of, gone_within, processes
 from helpers.data_workers import rounds as _rounds, windows as _windows
 from helpers.slow_task import SLOW_TASK
 
@@ -85,6 +86,30 @@ def test_reading_leaves_the_trainers_global_torch_generator_alone(tmp_path):
             s.round(a, b)
             a = b
         assert torch.equal(torch.get_rng_state(), state), f"epoch {epoch}: the read drew from it"
+
+
+def test_a_fixed_length_list_column_arrives_as_one_buffer(tmp_path):
+    # A window's equal rows are handed over stacked, in one shared-memory tensor, and
+    # come back as an object column of views of it: not one allocation per row in the
+    # trainer's process (scattered through malloc's arenas, its RSS grows step by step).
+    info, windows = _windows(_data(tmp_path), 0)
+    got = WindowStream(info, ListRows(), windows, [len(windows)], 0, 0, "train").round(0, len(windows))
+    assert len(got) == len(windows)
+    for b in got:
+        fixed, ragged = b["fixed"], b["ragged"]
+        assert fixed.dtype == object and ragged.dtype == object and len(fixed) == len(b["x"]) > 1
+        assert all(r.dtype == np.int16 and np.array_equal(r, np.arange(x, x + 3))
+                   for r, x in zip(fixed, b["x"]))
+        assert all(np.array_equal(r, np.arange(x % 3)) for r, x in zip(ragged, b["x"]))
+        base = fixed[0].base
+        assert base is not None and base.shape == (len(fixed), 3)
+        assert all(r.base is base for r in fixed)  # views of one [B, 3] buffer
+        assert all(r.base is None or r.base is not base for r in ragged)  # row by row
+        # Rows kept for long (the permutation reader's share) get a buffer of their own.
+        kept = own_rows({k: v[::2] for k, v in b.items()})
+        assert kept["fixed"][0].base.shape == (len(kept["x"]), 3)
+        assert all(np.array_equal(r, np.arange(x, x + 3)) for r, x in zip(kept["fixed"], kept["x"]))
+        assert kept["ragged"] is not None and len(kept["ragged"]) == len(kept["x"])
 
 
 def test_a_dropped_stream_holds_nothing_up(tmp_path):

@@ -29,23 +29,32 @@ N, G = 600, 24
 class Noisy(Task):
     """``x``: the row's id; the transform adds a draw from the row's own generator
     (``(seed, epoch, sample_id)``) and a float column, so that a row handed to the wrong
-    step, epoch or id shows."""
+    step, epoch or id shows; a ragged object column and one of equal rows (a fixed-length
+    list column: stacked for the handover, ``data.chunks.StackedRows``)."""
 
     columns = {"x": Column.integer()}
+    fixed = True  # with the column of equal rows
+
+    def __init__(self, fixed: bool = True):
+        self.fixed = fixed
 
     def transform(self, batch, ctx):
         noise = np.array([int(g.integers(0, 1000)) for g in ctx.rngs()], dtype=np.int64)
         ragged = np.empty(len(noise), dtype=object)  # an object column: pickled, not shared
         for i, v in enumerate(noise):
             ragged[i] = np.arange(v % 5, dtype=np.int32)
-        return {"x": batch["x"] * 1000 + noise, "f": batch["x"].astype(np.float32) / 7, "r": ragged}
+        fixed = np.empty(len(noise), dtype=object)  # equal rows: stacked for the handover
+        for i, v in enumerate(noise):
+            fixed[i] = np.array([v, v + 1, v + 2], dtype=np.int16)
+        out = {"x": batch["x"] * 1000 + noise, "f": batch["x"].astype(np.float32) / 7, "r": ragged}
+        return {**out, "l": fixed} if self.fixed else out
 
     def loss(self, model, batch):  # pragma: no cover - never trained here
         raise NotImplementedError
 
 
 T = {"sample_id": np.zeros(0, np.int64), "x": np.zeros(0, np.int64), "f": np.zeros(0, np.float32),
-     "r": np.zeros(0, object)}
+     "r": np.zeros(0, object), "l": np.zeros(0, object)}
 
 
 def _data(tmp: Path, n=N, files=3, rg=8) -> Path:
@@ -64,11 +73,14 @@ def _cfg(tmp: Path, order="windowed", cpus_per_worker: float = 1.0, **data) -> C
                                          "cpus_per_worker": cpus_per_worker}})
 
 
-def _steps(info, cfg, kind: str, ws: int, cursor: int, epoch: int = 1) -> list[list[dict]]:
+def _steps(info, cfg, kind: str, ws: int, cursor: int, epoch: int = 1,
+           fixed: bool = True) -> list[list[dict]]:
     """Every step from ``cursor`` to the epoch's end: each rank's rows, ``kind`` one of
-    local (in-process reference), dataloader, ray_data."""
-    readers = [open_train_reader(info, Noisy(), cfg, r, ws, epoch, cursor, G, local=kind == "local",
-                                 template=T, reader=None if kind == "local" else kind)[1]
+    local (in-process reference), dataloader, ray_data; ``fixed``: with ``Noisy``'s
+    column of equal rows."""
+    tmpl = T if fixed else {k: v for k, v in T.items() if k != "l"}
+    readers = [open_train_reader(info, Noisy(fixed), cfg, r, ws, epoch, cursor, G, local=kind == "local",
+                                 template=tmpl, reader=None if kind == "local" else kind)[1]
                for r in range(ws)]
     return [[rd.take(c, min(G, N - c)) for rd in readers] for c in range(cursor, N, G)]
 
@@ -212,8 +224,11 @@ def test_dataloader_reader_matches_the_ray_data_reader(tmp_path, ray_cluster, or
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = _cfg(_data(tmp_path), order, **data)
     info = scan_parquet(tmp_path, Noisy.columns)
+    # Without the column of equal rows: Ray Data's blocks hand it back as one 2-D array,
+    # the other paths as an object column of rows (a task's collate takes either).
     for ws, cursor in ((3, 0), (3, 10 * G + 5), (2, 10 * G + 5)):
-        _same(_steps(info, cfg, "dataloader", ws, cursor), _steps(info, cfg, "ray_data", ws, cursor))
+        _same(_steps(info, cfg, "dataloader", ws, cursor, fixed=False),
+              _steps(info, cfg, "ray_data", ws, cursor, fixed=False))
 
 
 def test_read_tasks_sets_the_workers_and_keeps_the_rows(tmp_path):
@@ -261,12 +276,13 @@ def test_task_cpus_reserve_cpus_and_none_when_training_holds_them(tmp_path, ray_
     monkeypatch.setattr(ingest, "_TASK_CPUS_WARNED", False)
     data = _data(tmp_path)
     info = scan_parquet(tmp_path, Noisy.columns)
-    tmpl = {**T, "cpus": np.zeros(0, np.float64)}
+    # Without Noisy's column of equal rows: Ray Data hands it back as one 2-D array.
+    tmpl = {**{k: v for k, v in T.items() if k != "l"}, "cpus": np.zeros(0, np.float64)}
 
     def steps(cpus_per_worker: float) -> list[list[dict]]:
         cfg = _cfg(data, shuffle_window_rows=48, partitions=4, reader="ray_data", task_cpus=1,
                    read_tasks=3, cpus_per_worker=cpus_per_worker)
-        readers = [open_train_reader(info, Assigned(), cfg, r, 2, 1, 0, G, template=tmpl)[1]
+        readers = [open_train_reader(info, Assigned(fixed=False), cfg, r, 2, 1, 0, G, template=tmpl)[1]
                    for r in range(2)]
         return [[rd.take(c, min(G, N - c)) for rd in readers] for c in range(0, N, G)]
 
@@ -278,7 +294,8 @@ def test_task_cpus_reserve_cpus_and_none_when_training_holds_them(tmp_path, ray_
 
     free = steps(1.0)
     assert cpus(free) == {1.0}
-    _same(strip(free), _steps(info, _cfg(data, shuffle_window_rows=48, partitions=4), "local", 2, 0))
+    _same(strip(free), _steps(info, _cfg(data, shuffle_window_rows=48, partitions=4), "local", 2, 0,
+                              fixed=False))
 
     @ray.remote(num_cpus=4)
     class Holder:
