@@ -346,7 +346,9 @@ def _main(uri: str) -> int:
     _answer(out, True, answer)
     out.close()
     if request.get("system_metrics", True):
-        mon = start_system_metrics(uri, answer["run_id"])
+        from elastic_ddp.tracking.node_metrics import interval_s
+
+        mon = start_system_metrics(uri, answer["run_id"], interval_s())
         # Until the driver's finish() (SIGTERM) or its death, or another job taking the
         # run over (the lease read every few seconds while the monitor runs): then the
         # process ends without the monitor's last samples.

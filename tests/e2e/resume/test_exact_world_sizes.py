@@ -113,22 +113,41 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
             assert torch.equal(v, sb[i][k]), f"{what}: optimizer state {i}.{k} differs"
 
 
-@pytest.mark.parametrize("order", ["windowed", "permutation"])
-def test_world_sizes_1_and_2_train_bitwise_alike_also_across_a_resize(small_lm, tmp_path, order):
-    job = _job(small_lm, tmp_path, order)
-    assert job.train.num_rows % 32, "the data set must end an epoch with a remainder step"
+ORDERS = ("windowed", "permutation")
+
+
+@pytest.fixture(scope="module")
+def trained(small_lm, tmp_path_factory) -> dict:
+    """Per epoch order: the job, its uninterrupted run at world size 1 (``one``) and at 2
+    (``two``), and the run resized 2 -> 1 -> 2 (``resized``): steps [0, a) at 2, [a, a + b)
+    at 1, the rest at 2. Both orders' legs at world size 2 run in the same two process
+    groups (a rank spends seconds importing torch and starting its data workers)."""
+    tmp = tmp_path_factory.mktemp("exact")
+    jobs = {}
+    for order in ORDERS:
+        (tmp / order).mkdir()
+        jobs[order] = _job(small_lm, tmp / order, order)
     a, b = STEPS // 3, STEPS // 3
-    # World size 2: the uninterrupted run, and the first and last legs of the resized one.
-    _at_two(tmp_path, [(job, STEPS, None, "two.pt"), (job, a, None, "two-a.pt")], "first")
-    one = one_thread_steps(job, STEPS)
-    two = torch.load(tmp_path / "two.pt", weights_only=False)
-    _assert_same(one, two, f"{order}: world size 1 vs 2, {STEPS} steps")
-    # 2 -> 1 -> 2: steps [0, a) at 2, [a, a + b) at 1, the rest at 2.
-    mid = one_thread_steps(job, b, load=torch.load(tmp_path / "two-a.pt", weights_only=False))
-    torch.save(mid, tmp_path / "mid.pt")
-    _at_two(tmp_path, [(job, STEPS - a - b, "mid.pt", "resized.pt")], "second")
-    _assert_same(torch.load(tmp_path / "resized.pt", weights_only=False), two,
-                 f"{order}: resized 2 -> 1 -> 2 vs uninterrupted")
+    _at_two(tmp, [leg for o in ORDERS for leg in ((jobs[o], STEPS, None, f"{o}-two.pt"),
+                                                  (jobs[o], a, None, f"{o}-two-a.pt"))], "first")
+    got = {o: {"job": jobs[o], "one": one_thread_steps(jobs[o], STEPS)} for o in ORDERS}
+    for o in ORDERS:
+        mid = one_thread_steps(jobs[o], b, load=torch.load(tmp / f"{o}-two-a.pt", weights_only=False))
+        torch.save(mid, tmp / f"{o}-mid.pt")
+    _at_two(tmp, [(jobs[o], STEPS - a - b, f"{o}-mid.pt", f"{o}-resized.pt") for o in ORDERS],
+            "second")
+    for o in ORDERS:
+        for k in ("two", "resized"):
+            got[o][k] = torch.load(tmp / f"{o}-{k}.pt", weights_only=False)
+    return got
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_world_sizes_1_and_2_train_bitwise_alike_also_across_a_resize(trained, order):
+    got = trained[order]
+    assert got["job"].train.num_rows % 32, "the data set must end an epoch with a remainder step"
+    _assert_same(got["one"], got["two"], f"{order}: world size 1 vs 2, {STEPS} steps")
+    _assert_same(got["resized"], got["two"], f"{order}: resized 2 -> 1 -> 2 vs uninterrupted")
 
 
 # --------------------------------------------------------------------------- Ray

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def _job(rank, ws, job, out):
     endpoint = job.get("endpoint")
     if endpoint:  # this job's S3 endpoint (a proxy of its own per rank, where a list)
         os.environ["AWS_ENDPOINT_URL"] = endpoint[rank] if isinstance(endpoint, list) else endpoint
+    if job.get("tmpdir"):  # where this job's ranks stage their uploads
+        os.environ["TMPDIR"] = tempfile.tempdir = job["tmpdir"]
     cfg = _cfg(job["strategy"])
     task = load_task(cfg)
     torch.manual_seed(0)
@@ -130,11 +133,11 @@ def _result(out: Path, name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def s3_runs(s3_server, tmp_path_factory):
-    """At world size 2: the uninterrupted run on local disk (6 steps); on bucket ``fail``
-    (through a proxy that refuses rank 1's shard of step 6) asynchronous checkpoints at
-    steps 3 and 6; a restore from it through a proxy per rank; on bucket ``kill`` the
-    same checkpoints, rank 0 killed before its upload at step 6. At world size 3: the
-    restore from ``kill`` and 3 steps."""
+    """At world size 2, in one process group: the uninterrupted run on local disk (6
+    steps); on bucket ``fail`` (through a proxy that refuses rank 1's shard of step 6)
+    asynchronous checkpoints at steps 3 and 6; a restore from it through a proxy per
+    rank; last, on bucket ``kill`` the same checkpoints, rank 0 killed before its upload
+    at step 6. At world size 3: the restore from ``kill`` and 3 steps."""
     import boto3
 
     out = tmp_path_factory.mktemp("s3ck")
@@ -155,16 +158,19 @@ def s3_runs(s3_server, tmp_path_factory):
                 "AccessDenied", "Access Denied")
     counted = [S3Proxy(s3_server) for _ in range(2)]
     try:
-        _run(2, {**env, "TMPDIR": str(staging["fail"])}, [
-            {"strategy": "ddp", "storage": str(out / "local"), "steps": 6, "result": "ref.json"},
-            {"strategy": "ddp", "storage": f"s3://{buckets['fail']}/runs", "async_at": [3, 6],
-             "endpoint": refuse.url, "steps": 1, "result": "fail.json"},
-            {"strategy": "ddp", "storage": f"s3://{buckets['fail']}/runs", "restore": True,
-             "endpoint": [p.url for p in counted], "result": "bytes.json"},
-        ], out)
+        fail = {"tmpdir": str(staging["fail"])}
         with pytest.raises(mp.ProcessExitedException):
-            _run(2, {**env, "TMPDIR": str(staging["kill"])}, [{"strategy": "fsdp", "storage": f"s3://{buckets['kill']}/runs",
-                           "async_at": [3, 6], "kill_at": 6, "result": "never.json"}], out)
+            _run(2, env, [
+                {"strategy": "ddp", "storage": str(out / "local"), "steps": 6, "result": "ref.json",
+                 **fail},
+                {"strategy": "ddp", "storage": f"s3://{buckets['fail']}/runs", "async_at": [3, 6],
+                 "endpoint": refuse.url, "steps": 1, "result": "fail.json", **fail},
+                {"strategy": "ddp", "storage": f"s3://{buckets['fail']}/runs", "restore": True,
+                 "endpoint": [p.url for p in counted], "result": "bytes.json", **fail},
+                {"strategy": "fsdp", "storage": f"s3://{buckets['kill']}/runs", "endpoint": s3_server,
+                 "async_at": [3, 6], "kill_at": 6, "result": "never.json",
+                 "tmpdir": str(staging["kill"])},
+            ], out)
         torn_keys = [o["Key"] for o in client.list_objects_v2(
             Bucket=buckets["kill"], Prefix=f"runs/{RUN}/{checkpoint_name(6)}/").get("Contents", [])]
         left = [p.name for p in staging["kill"].iterdir()]

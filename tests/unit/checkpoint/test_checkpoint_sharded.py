@@ -150,14 +150,19 @@ def _async_twice(mgr, strategy, cfg, task, rank, ws, out):
     dist.barrier()
 
 
-def _run_jobs(ws: int, jobs: list[tuple[dict, Path]]) -> list[torch.Tensor]:
+def _start(ws: int, jobs: list[tuple[dict, Path]]) -> None:
     """``(job, its directory)`` pairs one after another in one spawned process group of
-    ``ws`` ranks; each job's losses."""
+    ``ws`` ranks."""
     outs = [out for _, out in jobs]
     for out in outs:
         out.mkdir(parents=True, exist_ok=True)
     init = outs[0] / f"pg-{uuid.uuid4().hex}"
     start_ranks(_worker, (ws, str(init), [j for j, _ in jobs], [str(o) for o in outs]), ws)
+
+
+def _run_jobs(ws: int, jobs: list[tuple[dict, Path]]) -> list[torch.Tensor]:
+    """:func:`_start`; each job's losses."""
+    _start(ws, jobs)
     return [torch.load(out / job["result"], weights_only=True) for job, out in jobs]
 
 
@@ -169,28 +174,34 @@ STRATEGIES = ["ddp", "zero1", "fsdp"]
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory) -> tuple[torch.Tensor, dict]:
-    """Plain ddp at world size 2, 6 steps uninterrupted (the reference), and each
-    strategy's checkpoint written at world size 2 after 3 steps, then resumed at world
-    sizes 1 and 3 (steps 3..5): (reference, {strategy: (its directory, {ws: losses})})."""
+def written(tmp_path_factory) -> tuple[torch.Tensor, dict, dict]:
+    """At world size 2, in one process group: plain ddp 6 steps uninterrupted (the
+    reference), each strategy's checkpoint written after 3 steps, two asynchronous
+    checkpoints each (fsdp, ddp), and last an fsdp run whose rank 0 dies inside its
+    second asynchronous write; then each strategy's checkpoint resumed at world sizes 1
+    and 3 (steps 3..5): (reference, {strategy: (its directory, {ws: losses})},
+    {"twice": {strategy: its directory}, "killed": the killed run's directory})."""
     base = tmp_path_factory.mktemp("sharded")
     dirs = {st: base / st for st in STRATEGIES}
-    ref, *_ = _run_jobs(2, [({"strategy": "ddp", "steps": 6, "result": "ref.pt"}, base / "ref")]
-                        + [({"strategy": st, "steps": 3, "save": True, "result": "a.pt"}, d)
-                           for st, d in dirs.items()])
+    twice = {st: base / f"twice-{st}" for st in ("fsdp", "ddp")}
+    killed = base / "killed"
+    jobs = ([({"strategy": "ddp", "steps": 6, "result": "ref.pt"}, base / "ref")]
+            + [({"strategy": st, "steps": 3, "save": True, "result": "a.pt"}, d)
+               for st, d in dirs.items()]
+            + [({"strategy": st, "steps": 0, "async_twice": True, "result": "x.pt"}, d)
+               for st, d in twice.items()]
+            + [({"strategy": "fsdp", "steps": 0, "async_kill": True, "result": "x.pt"}, killed)])
+    with pytest.raises(mp.ProcessExitedException):
+        _start(2, jobs)
+    ref = torch.load(base / "ref" / "ref.pt", weights_only=True)
     resumed: dict = {st: {} for st in STRATEGIES}
     for ws in (1, 3):
         got = _run_jobs(ws, [({"strategy": st, "steps": 3, "restore": True, "result": f"r{ws}.pt"}, d)
                              for st, d in dirs.items()])
         for st, losses in zip(STRATEGIES, got):
             resumed[st][ws] = losses
-    return ref, {st: (dirs[st], resumed[st]) for st in STRATEGIES}
-
-
-@pytest.fixture(scope="module")
-def reference(written) -> torch.Tensor:
-    """Plain ddp at world size 2, 6 steps uninterrupted."""
-    return written[0]
+    return (ref, {st: (dirs[st], resumed[st]) for st in STRATEGIES},
+            {"twice": twice, "killed": killed})
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -211,31 +222,30 @@ def test_written_at_2_by_every_rank_resumes_at_1_and_3(written, strategy):
         assert rel <= 1e-4, f"{strategy} written at 2, resumed at {ws}: drifts by {rel:.2e}"
 
 
-def test_a_kill_during_an_asynchronous_write_leaves_the_previous_checkpoint(reference, tmp_path):
-    with pytest.raises(mp.ProcessExitedException):
-        _run(2, {"strategy": "fsdp", "steps": 0, "async_kill": True, "result": "x.pt"}, tmp_path)
-    assert (tmp_path / "killed").exists()
-    torn = tmp_path / RUN / checkpoint_name(6)
+def test_a_kill_during_an_asynchronous_write_leaves_the_previous_checkpoint(written):
+    """The fixture's killed run: its rank 0 died inside the write of step 6's
+    asynchronous checkpoint; a restart at world size 2 resumes from step 3's."""
+    reference, out = written[0], written[2]["killed"]
+    assert (out / "killed").exists()
+    torn = out / RUN / checkpoint_name(6)
     assert torn.is_dir() and not (torn / MANIFEST).exists()
     # The restart point is step 3's checkpoint, written while steps 3-5 trained: its
     # content is step 3's state (staged before the loop moved on).
-    got = _run(2, {"strategy": "fsdp", "steps": 3, "restore": True, "result": "r.pt"}, tmp_path)
+    got = _run(2, {"strategy": "fsdp", "steps": 3, "restore": True, "result": "r.pt"}, out)
     rel = ((got - reference[3:]).abs() / reference[3:]).max().item()
     assert rel <= 1e-4, f"resumed from the asynchronous checkpoint: drifts by {rel:.2e}"
     assert not torn.exists(), "the torn checkpoint should be removed at the restore"
 
 
-def test_each_asynchronous_checkpoint_holds_its_own_steps_state(tmp_path):
+def test_each_asynchronous_checkpoint_holds_its_own_steps_state(written):
     """The staging buffers are reused from one asynchronous checkpoint to the next (one
     stager per process): each checkpoint must still hold the state of its own step, not
-    the previous one's and not one changed by the step that trains during its write."""
-    jobs = [({"strategy": st, "steps": 0, "async_twice": True, "result": "x.pt"}, tmp_path / st)
-            for st in ("fsdp", "ddp")]
-    _run_jobs(2, jobs)
-    for job, out in jobs:
+    the previous one's and not one changed by the step that trains during its write
+    (the fixture's two runs with asynchronous checkpoints at steps 3 and 6)."""
+    for strategy, out in written[2]["twice"].items():
         got = json.loads((out / "twice.json").read_text())
-        assert got["diff"] == {"3": 0.0, "6": 0.0}, (job["strategy"], got)
-        assert got["apart"] > 0, f"{job['strategy']}: checkpoints 3 and 6 hold the same model"
+        assert got["diff"] == {"3": 0.0, "6": 0.0}, (strategy, got)
+        assert got["apart"] > 0, f"{strategy}: checkpoints 3 and 6 hold the same model"
 
 
 def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):

@@ -67,34 +67,43 @@ def _rank(rank, ws, init_file, job, env):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws)
     try:
-        from elastic_ddp.checkpoint.manager import CheckpointManager
-        from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
-        from elastic_ddp.checkpoint.state import model_optimizer_state
-
-        if job["do"] == "save":
-            s = _strategy(ws, 1)  # the same seed on both ranks: a replicated (ddp) state
-            mgr = CheckpointManager(job["out"], RUN, None, rank, ws, collective=True,
-                                    log=lambda m: None)
-            mgr.save(1, s, {"progress": {"step": 1}}, report=False)
-            return
-        from torch.distributed.checkpoint import load as dcp_load
-
-        s = _strategy(ws, 7)  # another state, overwritten by the load
-        state = model_optimizer_state(s)
-        mine = replicated_share(state, REPLICATED_PARTS["ddp"], rank, ws)
-        reader = StoreReader(job["uri"])
-        dcp_load(mine, storage_reader=reader)
-        want = torch.load(job["want"], weights_only=True)
-        flat = {f"{p}.{k}": v for p in ("model", "optim") for k, v in mine[p].items()
-                if isinstance(v, torch.Tensor)}
-        equal = all(torch.equal(v, want[k]) for k, v in flat.items())
-        Path(job["out"], f"rank{rank}.json").write_text(json.dumps(
-            {"bytes": reader.bytes_read, "requests": reader.requests, "equal": equal,
-             # every entry the rank loads: the optimizer's non-tensor values (learning
-             # rates, betas) are stored items too
-             "keys": sorted(f"{p}.{k}" for p in ("model", "optim") for k in mine[p])}))
+        # The job's locals (the DDP strategy's reducer holds the process group) go before
+        # the group: freed after it, the reducer's is the group's last reference and its
+        # destructor joins gloo's threads holding the GIL, which a thread still freeing a
+        # finished collective's tensor waits for (a hang).
+        _rank_job(rank, ws, job)
     finally:
         dist.destroy_process_group()
+
+
+def _rank_job(rank, ws, job):
+    """What the rank does (``job["do"]``: save, else load its share), in its process group."""
+    from elastic_ddp.checkpoint.manager import CheckpointManager
+    from elastic_ddp.checkpoint.shares import REPLICATED_PARTS, replicated_share
+    from elastic_ddp.checkpoint.state import model_optimizer_state
+
+    if job["do"] == "save":
+        s = _strategy(ws, 1)  # the same seed on both ranks: a replicated (ddp) state
+        mgr = CheckpointManager(job["out"], RUN, None, rank, ws, collective=True,
+                                log=lambda m: None)
+        mgr.save(1, s, {"progress": {"step": 1}}, report=False)
+        return
+    from torch.distributed.checkpoint import load as dcp_load
+
+    s = _strategy(ws, 7)  # another state, overwritten by the load
+    state = model_optimizer_state(s)
+    mine = replicated_share(state, REPLICATED_PARTS["ddp"], rank, ws)
+    reader = StoreReader(job["uri"])
+    dcp_load(mine, storage_reader=reader)
+    want = torch.load(job["want"], weights_only=True)
+    flat = {f"{p}.{k}": v for p in ("model", "optim") for k, v in mine[p].items()
+            if isinstance(v, torch.Tensor)}
+    equal = all(torch.equal(v, want[k]) for k, v in flat.items())
+    Path(job["out"], f"rank{rank}.json").write_text(json.dumps(
+        {"bytes": reader.bytes_read, "requests": reader.requests, "equal": equal,
+         # every entry the rank loads: the optimizer's non-tensor values (learning
+         # rates, betas) are stored items too
+         "keys": sorted(f"{p}.{k}" for p in ("model", "optim") for k in mine[p])}))
 
 
 @pytest.fixture(scope="module")

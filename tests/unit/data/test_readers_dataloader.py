@@ -74,13 +74,15 @@ def _cfg(tmp: Path, order="windowed", cpus_per_worker: float = 1.0, **data) -> C
 
 
 def _steps(info, cfg, kind: str, ws: int, cursor: int, epoch: int = 1,
-           fixed: bool = True) -> list[list[dict]]:
+           fixed: bool = True, tasks: list | None = None) -> list[list[dict]]:
     """Every step from ``cursor`` to the epoch's end: each rank's rows, ``kind`` one of
     local (in-process reference), dataloader, ray_data; ``fixed``: with ``Noisy``'s
-    column of equal rows."""
+    column of equal rows. ``tasks``: rank r's task object (a new ``Noisy(fixed)`` per
+    rank when not given; the same object keeps the same workers)."""
     tmpl = T if fixed else {k: v for k, v in T.items() if k != "l"}
-    readers = [open_train_reader(info, Noisy(fixed), cfg, r, ws, epoch, cursor, G, local=kind == "local",
-                                 template=tmpl, reader=None if kind == "local" else kind)[1]
+    readers = [open_train_reader(info, tasks[r] if tasks else Noisy(fixed), cfg, r, ws, epoch, cursor, G,
+                                 local=kind == "local", template=tmpl,
+                                 reader=None if kind == "local" else kind)[1]
                for r in range(ws)]
     return [[rd.take(c, min(G, N - c)) for rd in readers] for c in range(cursor, N, G)]
 
@@ -118,14 +120,20 @@ def test_auto_is_the_dataloader(tmp_path):
 @pytest.mark.parametrize("order,data", CASES)
 def test_dataloader_reader_matches_the_in_process_reference(tmp_path, order, data):
     """Several rounds per epoch (windowed), from the start and from a mid-epoch cursor,
-    at the world size the epoch started at and another one."""
+    at the world size the epoch started at and another one. Rank r's readers share one
+    task object, so its DataLoader workers, from one case to the next (as a trainer's
+    process keeps its workers from one round and epoch to the next): ranks 1-2's first
+    run starts at step 0, rank 3's at the epoch's last step."""
     cfg = _cfg(_data(tmp_path), order, **data)
     info = scan_parquet(tmp_path, Noisy.columns)
+    tasks = [Noisy() for _ in range(4)]
     if order == "windowed":
-        rd = open_train_reader(info, Noisy(), cfg, 0, 1, 1, 0, G, template=T)[1]
+        rd = open_train_reader(info, tasks[0], cfg, 0, 1, 1, 0, G, template=T)[1]
         assert len(rd._rounds) > 2 and rd._reader == "dataloader"
+        del rd
     for ws, cursor in ((1, 0), (3, 0), (3, 10 * G + 5), (2, 10 * G + 5), (4, N - G)):
-        _same(_steps(info, cfg, "dataloader", ws, cursor), _steps(info, cfg, "local", ws, cursor))
+        _same(_steps(info, cfg, "dataloader", ws, cursor, tasks=tasks),
+              _steps(info, cfg, "local", ws, cursor))
 
 
 def test_stream_rounds_are_taken_in_order_only(tmp_path):

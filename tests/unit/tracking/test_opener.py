@@ -24,7 +24,10 @@ from elastic_ddp.tracking.opener import RunOpener
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_the_helper_opens_the_run_and_monitors_the_system_until_finish(digits_data, tmp_path):
+def test_the_helper_opens_the_run_and_monitors_the_system_until_finish(digits_data, tmp_path,
+                                                                       monkeypatch):
+    # A sample a second (MLflow's knob, which the helper's monitor follows; 5 s unset).
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     cfg = Config.from_dict(digits_config(digits_data, tmp_path))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     opener = RunOpener(uri)
@@ -37,7 +40,7 @@ def test_the_helper_opens_the_run_and_monitors_the_system_until_finish(digits_da
     assert run.data.params["task"].endswith("CNNClassifier") and int(run.data.params["model.parameters"]) > 1000
     assert run.data.tags["elastic_ddp.data_skipped"] == "1"
     assert run.data.tags[tracking.opener.RAY_RUN_NAME_TAG] == cfg.run.name
-    # MLflow's monitor samples every 5 s and logs its first values after one interval.
+    # MLflow's monitor logs its first values after one interval.
     deadline = time.time() + 30
     c = tracking.client(uri)
     while time.time() < deadline and not c.get_metric_history(out["run_id"], "system/cpu_utilization_percentage"):
