@@ -351,8 +351,14 @@ def test_resubmission_resumes_the_same_mlflow_run(cluster, digits_data, tmp_path
             return None
         return int(latest["metrics"]["step"]) if latest else None
 
+    def attempts_written():
+        """The first submission's tracker wrote its worker-group count to the run (its
+        first write waits for the first step and MLflow's import in the tracker actor)."""
+        runs = mlflow_runs(tmp_path)
+        return bool(runs) and "elastic_ddp.attempts" in runs[0].data.tags
+
     deadline = time.time() + 900
-    while registered_step() is None:
+    while registered_step() is None or not attempts_written():
         status = client.get_job_status("resume-1")
         assert not status.is_terminal(), f"job ended ({status}) before its first checkpoint"
         assert time.time() < deadline, "no checkpoint within 900 s"

@@ -443,7 +443,10 @@ def test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_com
     summary = _artifact(tmp_path, run.info.run_id, "summary.json")
     (ev,) = [e for e in summary["events"] if e["type"] == "resume"]
     assert ev["cause"] == "interrupted" and ev["previous_status"] == "KILLED", ev
-    assert ev["last_step_seen"] == last_step and ev["resumed_at_step"] % 5 == 0, ev
+    # Resumed from a committed checkpoint: the cadence's (every 5 steps) or the one the
+    # interrupted driver's stop committed at its last step's boundary (nothing recomputed).
+    assert ev["last_step_seen"] == last_step, ev
+    assert ev["resumed_at_step"] % 5 == 0 or ev["resumed_at_step"] == last_step, ev
     assert ev["resumed_at_step"] <= last_step and ev["steps_recomputed"] == last_step - ev["resumed_at_step"], ev
     assert 0 < ev["recovery_s"] < time.time() - t_resume and ev["t"] >= t_resume - 1, ev
     assert (f"  event: resume cause=interrupted recovery_s={ev['recovery_s']} "
