@@ -309,6 +309,19 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+def write_gathered(result, rank: int, world_size: int, path) -> None:
+    """Every rank's ``result`` gathered (``all_gather_object`` on the default group, none at
+    world size 1) and written by rank 0 to ``path`` as a JSON list indexed by rank."""
+    import torch.distributed as dist
+
+    parts = [result]
+    if world_size > 1:
+        parts = [None] * world_size
+        dist.all_gather_object(parts, result)
+    if rank == 0:
+        Path(path).write_text(json.dumps(parts))
+
+
 def exits_cleanly(fn):
     """A rank body that ends with ``os._exit(0)`` once it returned: gloo's C++ threads can
     abort a clean interpreter exit (an exception still propagates to torch's spawn)."""

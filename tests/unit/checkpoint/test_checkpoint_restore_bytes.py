@@ -27,7 +27,7 @@ from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
-from helpers import exits_cleanly, start_ranks
+from helpers import exits_cleanly, start_ranks, write_gathered
 from helpers.s3_proxy import S3Proxy
 
 RUN = "bytesrun"
@@ -80,13 +80,7 @@ def _job(rank, ws, job, out):
                        __import__("elastic_ddp.checkpoint.state", fromlist=["x"])
                        .model_optimizer_state(strategy)["model"].items()
                        if isinstance(v, torch.Tensor) and not hasattr(v, "full_tensor")}
-    parts = [None] * ws
-    if ws > 1:
-        dist.all_gather_object(parts, result)
-    else:
-        parts = [result]
-    if rank == 0:
-        Path(out, job["result"]).write_text(json.dumps(parts))
+    write_gathered(result, rank, ws, Path(out, job["result"]))
 
 
 @exits_cleanly

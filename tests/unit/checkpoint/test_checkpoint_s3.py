@@ -34,7 +34,7 @@ from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
-from helpers import exits_cleanly, gpt_checkpoint_config, start_ranks
+from helpers import exits_cleanly, gpt_checkpoint_config, start_ranks, write_gathered
 from helpers.s3_proxy import S3Proxy
 
 RUN = "s3run"
@@ -101,13 +101,7 @@ def _job(rank, ws, job, out):
             raise AssertionError("rank 0 should have died between its write and its upload")
     result["losses"] += _steps(strategy, task, first, job.get("steps", 0), rank, ws)
     result["log"] = lines
-    parts = [None] * ws
-    if ws > 1:
-        dist.all_gather_object(parts, result)
-    else:
-        parts = [result]
-    if rank == 0:
-        Path(out, job["result"]).write_text(json.dumps(parts))
+    write_gathered(result, rank, ws, Path(out, job["result"]))
 
 
 @exits_cleanly

@@ -20,7 +20,7 @@ from elastic_ddp.checkpoint import MANIFEST, checkpoint_name
 from elastic_ddp.checkpoint.manager import CheckpointManager
 from elastic_ddp.config import Config
 from elastic_ddp.checkpoint.state import model_optimizer_state
-from helpers import exits_cleanly, gpt_checkpoint_config, start_ranks
+from helpers import exits_cleanly, gpt_checkpoint_config, start_ranks, write_gathered
 from elastic_ddp.parallel.strategies import build_strategy
 from elastic_ddp.tasks.loading import build_model, load_task
 
@@ -103,10 +103,7 @@ def _job(rank, ws, job, out):
     CheckpointManager(job["storage"], RUN, conf, rank, ws, collective=True,
                       strategy_name=job["strategy"]).restore(restored)
     result["sums"] = _sums(restored)
-    parts = [None] * ws
-    dist.all_gather_object(parts, result)
-    if rank == 0:
-        Path(out, job["result"]).write_text(json.dumps(parts))
+    write_gathered(result, rank, ws, Path(out, job["result"]))
 
 
 @exits_cleanly
