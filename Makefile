@@ -52,8 +52,12 @@ $(UI_STAMP): $(STAMP)
 	@$(PY) -m pip install -qq -e ".[ui]"
 	@touch $(UI_STAMP)
 
+# Every test, the slow tier included, in the same two passes as `make test`.
 test-all: $(UI_STAMP)
-	$(PY) -m pytest -q
+	rc=0; \
+	$(PY) -m pytest -m "not ray" -q -n 2 --dist loadfile --durations=15 || rc=$$?; \
+	$(PY) -m pytest -m "ray" -q --durations=30 || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	exit $$rc
 
 clean:
 	rm -rf data mlruns mlflow.db ray_results outputs
