@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -29,6 +30,16 @@ if "ray" not in sys.modules and "RAY_ENABLE_AUTO_CONNECT" not in os.environ:
         import ray  # noqa: F401
     finally:
         del os.environ["RAY_ENABLE_AUTO_CONNECT"]
+
+
+# Ctrl-C as a terminal delivers it, in every process the tests start: a shell that runs
+# the suite in the background (`make test &`, `nohup`) starts it with SIGINT ignored,
+# every child inherits that, and the tests that send SIGINT (Ctrl-C during the scan, in
+# a signal-held block, to a running job) would see it dropped. A caught SIGINT is reset
+# to the default action across exec, and each child interpreter then installs
+# KeyboardInterrupt as usual.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _deep_update(base: dict, extra: dict) -> dict:

@@ -216,6 +216,7 @@ def test_ledger_goodput_counts_the_kept_steps_in_the_window(soak):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # its own 3-node cluster: it runs in the serial pass, with no test beside it
 def test_a_short_soak_in_restart_mode_audits_clean_and_exits_0(pycode_data, tmp_path):
     """About 75 s of faults (a SIGTERM, a SIGKILL, a drain, a node removed or added) on a
     ~200 kB corpus; the job and its uninterrupted twin on a real 3-node local cluster."""

@@ -29,7 +29,8 @@ from elastic_ddp.data.scan import read_sample_ids
 from elastic_ddp.ledger import audit, format_audit
 
 # A first run builds the virtualenv (minutes: torch and Ray are large wheels).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+# It starts a local Ray cluster of its own (the `ray` marker: the serial pass).
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[3]
 RAY = os.environ.get("ELASTIC_DDP_TEST_RAY") or min(TESTED_RAY, key=release_key)
