@@ -28,8 +28,14 @@ train: $(STAMP)
 	$(VENV)/bin/elastic-ddp prepare digits data/digits
 	$(VENV)/bin/elastic-ddp train experiments/configs/digits_cnn.yaml
 
+# xdist workers for the tests that start no Ray cluster. Four on two cores: about half of
+# that pass's time is waiting (a CLI subprocess's start, a server's timeout, MLflow's
+# sqlite lock, gloo ranks' rendezvous), which the other workers' tests fill.
+# `make test XDIST=2` for a smaller machine's memory.
+XDIST ?= 4
+
 # The default suite (`-m "not slow"`) in two passes: the tests that start no Ray cluster on
-# two xdist workers, then the Ray tests one at a time (a Ray test's local cluster and its
+# $(XDIST) xdist workers, then the Ray tests one at a time (a Ray test's local cluster and its
 # workers take the machine's cores). `--dist loadfile` gives each test file to one worker,
 # so a module's fixtures (the gloo jobs of test_parallel, the checkpoints of
 # test_checkpoint_sharded) run once, not once per worker. Both passes always run; the
@@ -37,14 +43,14 @@ train: $(STAMP)
 # (every Ray test's, the fast tier's 15 longest) show where the suite's time goes.
 test: $(STAMP)
 	rc=0; \
-	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile --durations=15 || rc=$$?; \
+	$(PY) -m pytest -m "not ray and not slow" -q -n $(XDIST) --dist loadfile --durations=15 || rc=$$?; \
 	$(PY) -m pytest -m "ray and not slow" -q --durations=0 || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	exit $$rc
 
 # Every change: the tests that start no Ray cluster (config, batching, order, readers,
 # task protocol, data scan, strategies on gloo process groups).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not ray and not slow" -q -n 2 --dist loadfile
+	$(PY) -m pytest -m "not ray and not slow" -q -n $(XDIST) --dist loadfile
 
 # The slow tier adds the `ui` extra (playwright's driver: tests/project/test_ui_screenshots.py).
 UI_STAMP := $(VENV)/.installed-ui
@@ -55,7 +61,7 @@ $(UI_STAMP): $(STAMP)
 # Every test, the slow tier included, in the same two passes as `make test`.
 test-all: $(UI_STAMP)
 	rc=0; \
-	$(PY) -m pytest -m "not ray" -q -n 2 --dist loadfile --durations=15 || rc=$$?; \
+	$(PY) -m pytest -m "not ray" -q -n $(XDIST) --dist loadfile --durations=15 || rc=$$?; \
 	$(PY) -m pytest -m "ray" -q --durations=30 || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	exit $$rc
 
