@@ -28,10 +28,10 @@ train: $(STAMP)
 	$(VENV)/bin/elastic-ddp prepare digits data/digits
 	$(VENV)/bin/elastic-ddp train experiments/configs/digits_cnn.yaml
 
-# xdist workers for the tests that start no Ray cluster. Four on two cores: about half of
-# that pass's time is waiting (a CLI subprocess's start, a server's timeout, MLflow's
-# sqlite lock, gloo ranks' rendezvous), which the other workers' tests fill.
-# `make test XDIST=2` for a smaller machine's memory.
+# xdist workers for the tests that start no Ray cluster. Four on two cores: many of that
+# pass's tests wait (a CLI subprocess's start, a server's timeout, MLflow's sqlite lock,
+# gloo ranks' rendezvous), and with four the cores stay busy through the pass (on the
+# 2-core CI machine: 338 s, against 387 s on two workers). `make test XDIST=2` for less memory.
 XDIST ?= 4
 
 # The default suite (`-m "not slow"`) in two passes: the tests that start no Ray cluster on
