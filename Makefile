@@ -41,11 +41,15 @@ XDIST ?= 4
 # test_checkpoint_sharded) run once, not once per worker. Both passes always run; the
 # target fails when either fails or selects no test (pytest exit 5). The durations
 # (every Ray test's, the fast tier's 15 longest) show where the suite's time goes.
-test: $(STAMP)
-	rc=0; \
-	$(PY) -m pytest -m "not ray and not slow" -q -n $(XDIST) --dist loadfile --durations=15 || rc=$$?; \
-	$(PY) -m pytest -m "ray and not slow" -q --durations=0 || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+# $(call two_passes,MARKS,RAY_DURATIONS): the tests without Ray (`not ray MARKS`) on
+# $(XDIST) workers, then the Ray tests (`ray MARKS`) one at a time; both always run.
+two_passes = rc=0; \
+	$(PY) -m pytest -m "not ray$(1)" -q -n $(XDIST) --dist loadfile --durations=15 || rc=$$?; \
+	$(PY) -m pytest -m "ray$(1)" -q --durations=$(2) || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	exit $$rc
+
+test: $(STAMP)
+	$(call two_passes, and not slow,0)
 
 # Every change: the tests that start no Ray cluster (config, batching, order, readers,
 # task protocol, data scan, strategies on gloo process groups).
@@ -60,10 +64,7 @@ $(UI_STAMP): $(STAMP)
 
 # Every test, the slow tier included, in the same two passes as `make test`.
 test-all: $(UI_STAMP)
-	rc=0; \
-	$(PY) -m pytest -m "not ray" -q -n $(XDIST) --dist loadfile --durations=15 || rc=$$?; \
-	$(PY) -m pytest -m "ray" -q --durations=30 || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
-	exit $$rc
+	$(call two_passes,,30)
 
 clean:
 	rm -rf data mlruns mlflow.db ray_results outputs

@@ -23,14 +23,6 @@ from conftest import _deep_update, digits_config, mlflow_runs
 ROW = 64  # an 8x8 image per row
 
 
-def sigint_default() -> None:
-    """``preexec_fn`` of a child a Ctrl-C test signals: SIGINT back to its default. A
-    command started in a non-interactive shell's background job (``cmd &``, as CI runners
-    and ``nohup`` start them) inherits SIGINT ignored, and Python then installs no
-    KeyboardInterrupt handler, so the child would never see the Ctrl-C the test sends."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def write_rows(path: Path, ids, *, x_type=pa.float32(), y_type=pa.int64(), child: str = "item",
                nullable: bool = True, labels=None, x_fill=None, seed: int = 0) -> Path:
     """A digits-like Parquet file (``sample_id``, ``x``: 64 numbers, ``y``: a class):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import mlflow_runs
-from helpers import TASK, sigint_default, user_config, write_rows, write_task
+from helpers import TASK, user_config, write_rows, write_task
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -58,8 +58,7 @@ def test_a_signal_in_the_users_code_before_the_start_is_the_signal_not_a_task_er
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
     p = subprocess.Popen(_cli_cmd() + ["train", str(cfg), "--no-progress"], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=sigint_default)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while not marker.exists() and p.poll() is None and time.time() < deadline:

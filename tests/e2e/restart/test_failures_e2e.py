@@ -42,7 +42,7 @@ import torch
 import yaml
 
 from conftest import global_order_ids, mlflow_runs
-from helpers import (hold_sqlite_lock, mixed_dataset, sigint_default, sigkilled_rank, small_config,
+from helpers import (hold_sqlite_lock, mixed_dataset, sigkilled_rank, small_config,
                      write_rows)
 from elastic_ddp.checkpoint.export import model_state
 from elastic_ddp.driver.cli import main
@@ -352,8 +352,7 @@ def test_ctrl_c_while_ray_starts_leaves_no_running_run(tmp_path):
     cfg.write_text(yaml.safe_dump(small_config(data, tmp_path)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     p = subprocess.Popen([sys.executable, "-m", "elastic_ddp", "train", str(cfg), "--no-progress"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=sigint_default)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     db = tmp_path / "mlflow.db"
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
@@ -414,8 +413,7 @@ def test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_com
     cfg.write_text(yaml.safe_dump(raw))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-m", "elastic_ddp", "train", str(cfg)]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=sigint_default)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in p.stdout:  # progress lines, off a terminal: one every few seconds
         lines.append(line)
@@ -434,8 +432,7 @@ def test_ctrl_c_during_training_exits_130_closes_the_run_killed_and_the_same_com
     assert 0 < last_step < 80, last_step
 
     t_resume = time.time()
-    again = subprocess.run(cmd + ["--no-progress"], env=env, capture_output=True, text=True, timeout=600,
-                           preexec_fn=sigint_default)
+    again = subprocess.run(cmd + ["--no-progress"], env=env, capture_output=True, text=True, timeout=600)
     print(again.stdout[-3000:], again.stderr[-3000:])
     assert again.returncode == 0, again.stderr[-3000:]
     (run2,) = mlflow_runs(tmp_path)

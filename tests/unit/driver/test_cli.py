@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from conftest import digits_config, mlflow_runs
-from helpers import sigint_default
 from elastic_ddp.driver.cli import _parser, main
 from elastic_ddp.config import Config
 
@@ -181,8 +180,7 @@ def test_ctrl_c_exits_130(tmp_path):
     port = srv.getsockname()[1]
     p = subprocess.Popen(_cli_cmd() + ["submit", "experiments/configs/digits_cnn.yaml",
                                        "--address", f"http://127.0.0.1:{port}"],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=sigint_default)
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         conn, _ = srv.accept()  # the client is now blocked on its request
         p.send_signal(signal.SIGINT)
