@@ -32,7 +32,10 @@ process (moto's ``ThreadedMotoServer`` on 127.0.0.1: a Python server, so its own
 time shares the machine's cores with the ranks); restore bytes per rank are then the
 bytes the rank fetched from the store (its ranged reads, widened to the blocks of the
 shards' block checksums: ``CheckpointManager.read_bytes``), and disk MB the newest checkpoint's
-objects.
+objects. moto's server reads a whole object into memory for every request, a ranged
+read included (8 in flight per rank at a restore), and joins a multipart upload's parts
+in memory: at hundreds of millions of parameters ``--files-per-rank`` (the config's
+``train.checkpoint_files_per_rank``) keeps its objects small enough for this machine.
 
 ``--checkout REV``: the commit whose ``elastic_ddp`` is the full-state path (default:
 the parent of the commit that made ``elastic_ddp/checkpoint.py`` a package), checked
@@ -150,6 +153,7 @@ def worker(args) -> None:
     where = f"s3://{os.environ['BENCH_S3_BUCKET']}/{store.name}" if s3 else str(store)
     blocked, persisted, during = [], [], []
     path = args.path
+    conf = {"train": {"checkpoint_files_per_rank": args.files_per_rank}}
     if path == "interleaved":
         return _interleaved(args, s, step, store, rank, ws, device)
     if path.startswith("wall:"):
@@ -170,7 +174,7 @@ def worker(args) -> None:
         elif path.startswith("sharded"):
             from elastic_ddp.checkpoint.manager import CheckpointManager
 
-            m = CheckpointManager(where, "run", {}, rank, ws, collective=True,
+            m = CheckpointManager(where, "run", conf, rank, ws, collective=True,
                                   log=lambda _: None, strategy_name=args.strategy)
             m.save(k, s, {"progress": {}}, report=False, asynchronous=path == "sharded_async")
             t1 = time.perf_counter()
@@ -181,7 +185,7 @@ def worker(args) -> None:
                 during.append(d)
             m.wait()
             t2 = done()
-            if s3 and k and rank == 0:  # the server holds objects in memory: keep the newest only
+            if s3 and k and rank == 0:  # keep the server's store to the newest checkpoint
                 from elastic_ddp.checkpoint.layout import checkpoint_name, run_dir
 
                 fs, base = run_dir(where, "run")
@@ -215,7 +219,7 @@ def worker(args) -> None:
 
         s.load_full_state(load_state(store / f"ck{last}"))
     elif path.startswith("sharded"):
-        mr = CheckpointManager(where, "run", {}, rank, ws, collective=True, log=lambda _: None)
+        mr = CheckpointManager(where, "run", conf, rank, ws, collective=True, log=lambda _: None)
         mr.restore(s)
     else:
         import torch.distributed.checkpoint as dcp
@@ -383,7 +387,7 @@ def _old_checkout(rev: str | None) -> Path:
 
 def run_one(size: str, strategy: str, path: str, repeat: int, code: Path,
             device: str = "cpu", nproc: int = 2, storage: str = "local",
-            s3_env: dict | None = None) -> dict:
+            s3_env: dict | None = None, files_per_rank: int = 1) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as out:
         # The code under test first; the caller's PYTHONPATH (packages installed outside the
         # interpreter's site-packages) stays behind it.
@@ -392,7 +396,7 @@ def run_one(size: str, strategy: str, path: str, repeat: int, code: Path,
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
                str(nproc), str(Path(__file__).resolve()), "--worker", "--size", size,
                "--strategy", strategy, "--path", path, "--repeat", str(repeat), "--out", out,
-               "--device", device, "--storage", storage]
+               "--device", device, "--storage", storage, "--files-per-rank", str(files_per_rank)]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, check=False)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
@@ -482,6 +486,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: NCCL, one GPU per rank, staging into pinned host memory")
     ap.add_argument("--nproc", type=int, default=2, help="ranks (with cuda: at most the GPUs)")
+    ap.add_argument("--files-per-rank", type=int, default=1,
+                    help="the sharded paths' train.checkpoint_files_per_rank (DCP's thread_count)")
     ap.add_argument("--storage", default="local",
                     help="local, s3 or local,s3: where the sharded paths write (s3: an S3 server "
                          "of the bench's own, moto's, on 127.0.0.1; the other paths: local only)")
@@ -526,7 +532,7 @@ def main() -> None:
                 for path, storage in runs:
                     r = run_one(size, strategy, path, args.repeat,
                                 old if path == "full_state" else ROOT, args.device, args.nproc,
-                                storage, s3_env)
+                                storage, s3_env, args.files_per_rank)
                     k = r["ranks"]
                     row = {f: max(x[f] for x in k) for f in ("step_s", "blocked_s", "persisted_s", "restore_s")}
                     ref = ref or row

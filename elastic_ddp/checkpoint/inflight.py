@@ -135,12 +135,13 @@ def save_async(manager, state: dict[str, Any], fs, dest: str, name: str, step: i
     stager = _stager(device)
     extra = {"async_stager": stager} if stager is not None else {}
     target = dest if local else staging_dir()
+    files = getattr(manager, "files_per_rank", 1)
     if getattr(manager, "writer", "thread") == "process":
         from elastic_ddp.checkpoint.writer_process import process_writer
 
-        writer = process_writer(target)  # serialisation and checksums in a process
+        writer = process_writer(target, files)  # serialisation and checksums in a process
     else:
-        writer = FileSystemWriter(target)
+        writer = FileSystemWriter(target, thread_count=files)
     try:
         future = async_save(state, storage_writer=writer, process_group=group, **extra)
     except BaseException:

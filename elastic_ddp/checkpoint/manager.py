@@ -86,7 +86,11 @@ class CheckpointManager:
         #: Where an asynchronous checkpoint is serialised: "thread" (a thread of this
         #: process) or "process" (``checkpoint.writer_process``); the config's
         #: ``train.checkpoint_writer``.
-        self.writer = ((config or {}).get("train") or {}).get("checkpoint_writer", "thread")
+        train = (config or {}).get("train") or {}
+        self.writer = train.get("checkpoint_writer", "thread")
+        #: DCP's ``thread_count``: the files each writing rank writes (the config's
+        #: ``train.checkpoint_files_per_rank``).
+        self.files_per_rank = int(train.get("checkpoint_files_per_rank") or 1)
         self.fence = fence
         self.rank, self.world_size, self.collective = rank, world_size, collective
         self.log, self.tracker, self.strategy_name = log, tracker, strategy_name
@@ -163,7 +167,8 @@ class CheckpointManager:
         target, records, error = dest if local else staging_dir(), {}, None
         try:
             with single_process(not self.collective):
-                dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=not self.collective)
+                dcp_save(state, storage_writer=FileSystemWriter(target, thread_count=self.files_per_rank),
+                         no_dist=not self.collective)
             records = self.records(fs, target, dest, lead, local, fault_hook)
         except CheckpointWriteError as e:  # every rank still meets the others' gather
             error = str(e)

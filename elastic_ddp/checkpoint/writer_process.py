@@ -55,9 +55,9 @@ def _serve(conn, nice: int) -> None:
             return
         if msg is None:
             return
-        path, plan, items = msg
+        path, plan, items, files = msg
         try:
-            writer = FileSystemWriter(path)
+            writer = FileSystemWriter(path, thread_count=files)
             results = writer.write_data(plan, _Items(items)).wait()
             names = sorted({r.storage_data.relative_path for r in results})
             records = {n: file_record(local, os.path.join(path, n), blocks=n.endswith(".distcp"))
@@ -130,7 +130,7 @@ def _writer_class():
                     items[_key(item)] = t
             proc, conn = _child()
             # One write at a time per process (at most one checkpoint is in flight).
-            conn.send((str(self.path), plan, items))
+            conn.send((str(self.path), plan, items, self.thread_count))
             try:
                 status, results, records = conn.recv()
             except (EOFError, OSError) as e:
@@ -148,10 +148,11 @@ def _writer_class():
 _CLASS = None
 
 
-def process_writer(path: str):
+def process_writer(path: str, files_per_rank: int = 1):
     """A DCP storage writer into local directory ``path`` whose serialisation and
-    checksums run in the writer process (``records`` holds the checksums after)."""
+    checksums run in the writer process (``records`` holds the checksums after);
+    ``files_per_rank``: DCP's ``thread_count`` (the files this rank writes)."""
     global _CLASS
     if _CLASS is None:
         _CLASS = _writer_class()
-    return _CLASS(path)
+    return _CLASS(path, thread_count=files_per_rank)

@@ -235,6 +235,13 @@ class TrainConfig(Section):
         "'thread' (a thread of each worker) or 'process' (a process of each worker's own, at a "
         "lower CPU priority, fed from the staged host copy: it holds no GIL of the step loop)."
     )
+    checkpoint_files_per_rank: int = Field(
+        1, ge=1, le=64, description="Files each writing rank splits its part of a checkpoint "
+        "into, written by as many threads (DCP's FileSystemWriter thread_count), balanced by "
+        "size. On object storage each is its own object, uploaded in parallel (4 per rank at "
+        "once) and read by ranged reads: more, smaller objects for a store whose per-request "
+        "cost grows with the object's size. Any value restores at any world size."
+    )
     checksum_every_steps: int = Field(
         0, ge=0, description="Compare a parameter checksum across ranks; 0 disables."
     )

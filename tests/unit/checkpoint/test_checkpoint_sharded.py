@@ -62,7 +62,9 @@ def _job(rank, ws, job, out):
     task = load_task(cfg)
     torch.manual_seed(0)
     strategy = build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
-    mgr = CheckpointManager(out, RUN, {"c": 1}, rank, ws, collective=ws > 1,
+    # "files": train.checkpoint_files_per_rank (DCP's thread_count), read from the config.
+    mgr = CheckpointManager(out, RUN, {"c": 1, "train": {"checkpoint_files_per_rank": job.get("files", 1)}},
+                            rank, ws, collective=ws > 1,
                             log=lambda m: None, strategy_name=job["strategy"])
     first = 0
     if job.get("restore"):
@@ -171,6 +173,10 @@ def _run(ws: int, job: dict, out: Path) -> torch.Tensor:
 
 
 STRATEGIES = ["ddp", "zero1", "fsdp"]
+#: The strategies' checkpoints, and one of ddp's written in 3 files per rank
+#: (``train.checkpoint_files_per_rank``).
+KINDS = [*STRATEGIES, "ddp-files3"]
+FILES = {"ddp-files3": 3, "ddp-files2": 2}
 
 
 @pytest.fixture(scope="module")
@@ -182,38 +188,40 @@ def written(tmp_path_factory) -> tuple[torch.Tensor, dict, dict]:
     and 3 (steps 3..5): (reference, {strategy: (its directory, {ws: losses})},
     {"twice": {strategy: its directory}, "killed": the killed run's directory})."""
     base = tmp_path_factory.mktemp("sharded")
-    dirs = {st: base / st for st in STRATEGIES}
-    twice = {st: base / f"twice-{st}" for st in ("fsdp", "ddp")}
+    dirs = {st: base / st for st in KINDS}
+    twice = {st: base / f"twice-{st}" for st in ("fsdp", "ddp", "ddp-files2")}
     killed = base / "killed"
     jobs = ([({"strategy": "ddp", "steps": 6, "result": "ref.pt"}, base / "ref")]
-            + [({"strategy": st, "steps": 3, "save": True, "result": "a.pt"}, d)
-               for st, d in dirs.items()]
-            + [({"strategy": st, "steps": 0, "async_twice": True, "result": "x.pt"}, d)
-               for st, d in twice.items()]
+            + [({"strategy": st.split("-")[0], "files": FILES.get(st, 1), "steps": 3, "save": True,
+                 "result": "a.pt"}, d) for st, d in dirs.items()]
+            + [({"strategy": st.split("-")[0], "files": FILES.get(st, 1), "steps": 0, "async_twice": True,
+                 "result": "x.pt"}, d) for st, d in twice.items()]
             + [({"strategy": "fsdp", "steps": 0, "async_kill": True, "result": "x.pt"}, killed)])
     with pytest.raises(mp.ProcessExitedException):
         _start(2, jobs)
     ref = torch.load(base / "ref" / "ref.pt", weights_only=True)
-    resumed: dict = {st: {} for st in STRATEGIES}
+    resumed: dict = {st: {} for st in KINDS}
     for ws in (1, 3):
-        got = _run_jobs(ws, [({"strategy": st, "steps": 3, "restore": True, "result": f"r{ws}.pt"}, d)
+        got = _run_jobs(ws, [({"strategy": st.split("-")[0], "steps": 3, "restore": True, "result": f"r{ws}.pt"}, d)
                              for st, d in dirs.items()])
-        for st, losses in zip(STRATEGIES, got):
+        for st, losses in zip(KINDS, got):
             resumed[st][ws] = losses
-    return (ref, {st: (dirs[st], resumed[st]) for st in STRATEGIES},
+    return (ref, {st: (dirs[st], resumed[st]) for st in KINDS},
             {"twice": twice, "killed": killed})
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", KINDS)
 def test_written_at_2_by_every_rank_resumes_at_1_and_3(written, strategy):
     reference = written[0]
     out, resumed = written[1][strategy]
     d = out / RUN / checkpoint_name(3)
     manifest = json.loads((d / MANIFEST).read_text())
     shards = sorted(f for f in manifest["files"] if f.endswith(".distcp"))
-    # Each rank wrote its own part; none holds the whole state.
-    assert shards == ["__0_0.distcp", "__1_0.distcp"], manifest["files"]
-    sizes = [manifest["files"][f]["bytes"] for f in shards]
+    # Each rank wrote its own part (in train.checkpoint_files_per_rank files); none holds
+    # the whole state.
+    files = FILES.get(strategy, 1)
+    assert shards == [f"__{r}_{i}.distcp" for r in (0, 1) for i in range(files)], manifest["files"]
+    sizes = [sum(manifest["files"][f]["bytes"] for f in shards if f.startswith(f"__{r}_")) for r in (0, 1)]
     assert max(sizes) < 0.75 * sum(sizes), f"one rank wrote most of the state: {sizes}"
     assert manifest["world_size"] == 2 and manifest["step"] == 3
     for ws in (1, 3):
@@ -241,11 +249,15 @@ def test_each_asynchronous_checkpoint_holds_its_own_steps_state(written):
     """The staging buffers are reused from one asynchronous checkpoint to the next (one
     stager per process): each checkpoint must still hold the state of its own step, not
     the previous one's and not one changed by the step that trains during its write
-    (the fixture's two runs with asynchronous checkpoints at steps 3 and 6)."""
+    (the fixture's runs with asynchronous checkpoints at steps 3 and 6; one of them in 2
+    files per rank)."""
     for strategy, out in written[2]["twice"].items():
         got = json.loads((out / "twice.json").read_text())
         assert got["diff"] == {"3": 0.0, "6": 0.0}, (strategy, got)
         assert got["apart"] > 0, f"{strategy}: checkpoints 3 and 6 hold the same model"
+        files = json.loads((out / RUN / checkpoint_name(6) / MANIFEST).read_text())["files"]
+        shards = sorted(f for f in files if f.endswith(".distcp"))
+        assert shards == [f"__{r}_{i}.distcp" for r in (0, 1) for i in range(FILES.get(strategy, 1))], files
 
 
 def test_export_writes_the_model_alone_loadable_in_plain_pytorch(tmp_path):

@@ -59,7 +59,7 @@ def _job(rank, ws, job, out):
         return build_strategy(cfg, build_model(cfg, task), torch.device("cpu"), ws)
 
     strategy = fresh()
-    conf = {"train": {"checkpoint_writer": job["writer"]}}
+    conf = {"train": {"checkpoint_writer": job["writer"], "checkpoint_files_per_rank": job.get("files", 1)}}
     mgr = CheckpointManager(job["storage"], RUN, conf, rank, ws, collective=True,
                             strategy_name=job["strategy"])
     _step(strategy, task, rank, ws, 1)
@@ -103,6 +103,11 @@ def _job(rank, ws, job, out):
     CheckpointManager(job["storage"], RUN, conf, rank, ws, collective=True,
                       strategy_name=job["strategy"]).restore(restored)
     result["sums"] = _sums(restored)
+    if rank == 0:  # the files the manifest names (on object storage too)
+        from elastic_ddp.checkpoint.layout import read_manifest, run_dir
+
+        fs, run = run_dir(job["storage"], RUN)
+        result["files"] = sorted(read_manifest(fs, f"{run}/{checkpoint_name(1)}")["files"])
     write_gathered(result, rank, ws, Path(out, job["result"]))
 
 
@@ -134,7 +139,8 @@ def written(s3_server, tmp_path_factory):
         for w in ("thread", "process"):
             jobs.append({"strategy": s, "writer": w, "storage": str(out / w / s),
                          "result": f"{s}-{w}.json"})
-        jobs.append({"strategy": s, "writer": "process", "storage": f"s3://{bucket}/{s}",
+        # On S3, each rank's part in 2 files (train.checkpoint_files_per_rank).
+        jobs.append({"strategy": s, "writer": "process", "storage": f"s3://{bucket}/{s}", "files": 2,
                      "result": f"{s}-process-s3.json"})
     jobs.append({"strategy": "ddp", "writer": "process", "storage": str(out / "killed"),
                  "kill_writer": True, "result": "killed.json"})
@@ -155,6 +161,9 @@ def test_a_process_writer_commits_what_the_thread_writer_commits(written, strate
     shards = [n for n in manifest["files"] if n.endswith(".distcp")]
     assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"], manifest["files"]
     assert all(manifest["files"][n]["xxh3_64_blocks"] for n in shards)
+    s3_shards = [n for n in json.loads((written / f"{strategy}-process-s3.json").read_text())[0]["files"]
+                 if n.endswith(".distcp")]
+    assert s3_shards == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"], s3_shards
 
 
 def test_a_writer_process_found_dead_is_replaced_and_the_next_checkpoints_commit(written):
