@@ -10,6 +10,10 @@ Everything here acts on this machine's processes and this cluster's GCS only; Li
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -167,6 +171,97 @@ def _nodisk():
         sys.modules["nodisk"] = mod
         spec.loader.exec_module(mod)
     return sys.modules["nodisk"]
+
+
+class Pod:
+    """A worker node as a Kubernetes pod's container runs it: ``ray start --block`` in a
+    mount namespace of its own (root only; ``nodisk.NoDiskNode`` with nothing hidden, so
+    the disk stays shared), so that the preStop hook run inside it finds this node's
+    raylet and no other. :meth:`evict` ends it as the kubelet ends a deleted pod.
+
+    ``grace_s``: the pod's ``terminationGracePeriodSeconds``; ``deadline_s``: the hook's
+    ``--deadline`` (the grace less a margin for Ray's own shutdown; the shipped
+    manifests: 120 and 100). Ray's own drain on SIGTERM
+    (``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``) gets ``deadline_s`` too, as the manifests
+    set it. ``node_id``: the raylet's (hex), read from its command line.
+
+    Raises (from the constructor):
+        RuntimeError: the node did not start (its log's tail).
+    """
+
+    def __init__(self, address: str, cpus: int, log: Path, grace_s: float = 45.0,
+                 deadline_s: float = 35.0, env: Optional[dict[str, str]] = None):
+        self.grace_s, self.deadline_s = grace_s, deadline_s
+        env = {**(env or {}), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(int(deadline_s))}
+        self.node = _nodisk().NoDiskNode(address, cpus, [], [], Path(log), env)
+        try:
+            self.node.wait_started()
+            self.node_id = self._raylet_node_id(timeout=60)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pid(self) -> int:
+        """The container's main process: ``ray start`` (``unshare`` and ``sh`` exec it)."""
+        return self.node.pid
+
+    def _raylet_node_id(self, timeout: float) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for p in children(self.pid):
+                argv = cmdline(p).split(" ")
+                if argv and argv[0].endswith("/raylet"):
+                    ids = [a[len("--node_id="):] for a in argv if a.startswith("--node_id=")]
+                    if ids:
+                        return ids[0]
+            time.sleep(0.3)
+        raise RuntimeError(f"no raylet under the pod's ray start (pid {self.pid}) in {timeout} s; "
+                           f"log {self.node.log}")
+
+    def evict(self, hook: bool = True) -> dict:
+        """The kubelet's deletion of this pod: the preStop hook ``elastic-ddp drain-node
+        --self --deadline <deadline_s>`` run inside the pod (``nsenter --mount``; skipped
+        with ``hook=False``), then SIGTERM to ``ray start``, then SIGKILL to every process
+        of the pod still there when ``grace_s`` have passed since the hook started (the
+        container's cgroup is killed as a whole). Returns ``{"hook_rc", "hook_out",
+        "hook_s", "exited_s"}`` (seconds from the start of the eviction; ``exited_s``:
+        when ``ray start`` had exited, None when the SIGKILL ended it)."""
+        t0 = time.monotonic()
+        out: dict = {"hook_rc": None, "hook_out": "", "hook_s": None, "exited_s": None}
+        if hook:
+            try:
+                r = subprocess.run(["nsenter", f"--target={self.pid}", "--mount", "--",
+                                    str(Path(sys.executable).parent / "elastic-ddp"), "drain-node",
+                                    "--self", "--deadline", str(int(self.deadline_s))],
+                                   capture_output=True, text=True, timeout=self.grace_s)
+                out.update(hook_rc=r.returncode, hook_out=(r.stdout + r.stderr)[-2000:])
+            except subprocess.TimeoutExpired:
+                out.update(hook_rc="timeout")
+            out["hook_s"] = time.monotonic() - t0
+        tree = [self.pid, *children(self.pid)]  # collected before any signal: no reused pid
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+            self.node.proc.wait(timeout=max(0.0, self.grace_s - (time.monotonic() - t0)))
+            out["exited_s"] = time.monotonic() - t0
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        _kill(tree)
+        self.node.proc.wait(timeout=30)
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL every process of the pod at once: a node lost without notice."""
+        _kill([self.pid, *children(self.pid)])
+        self.node.proc.wait(timeout=30)
+
+
+def _kill(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def drain_node(address: str, node_id: str, deadline_s: float,

@@ -1,8 +1,9 @@
 """Soak: the ``bench_gpt`` job on a local multi-node Ray cluster for ``--duration``
 seconds while a fault is drawn about every ``--interval`` seconds: a training worker
-SIGKILLed, a worker SIGTERMed, a node drained with a 20 s deadline and removed when it
-passes, a node removed without notice, a node added. Then the figures that say what
-the faults cost and whether anything was lost.
+SIGKILLed, a worker SIGTERMed, a node's pod evicted as Kubernetes evicts it, a node
+removed without notice, a node added (and, when asked for, a node drained through
+Ray's GCS call alone). Then the figures that say what the faults cost and whether
+anything was lost.
 
     .venv/bin/elastic-ddp prepare pycode data/pycode_bench --num-files 4 --max-bytes 3000000
     .venv/bin/python experiments/soak.py --mode restart                  # 60 min of faults
@@ -12,7 +13,9 @@ What it does:
 
 1. Starts a ``ray.cluster_utils.Cluster``: a head (1 logical CPU: the driver's Ray calls,
    the Ray Train controller, the tracker) and ``--nodes`` worker nodes (2 logical CPUs
-   each). A training worker asks for 2 logical CPUs, so a node holds one worker and a
+   each). With ``evict`` among the kinds (the default), each worker node is a pod
+   (``cluster_faults.Pod``: ``ray start --block`` in a mount namespace of its own, as a
+   pod's container runs it; root only), else a node of the ``Cluster``. A training worker asks for 2 logical CPUs, so a node holds one worker and a
    worker never lands on the head: removing a node removes a rank. Each worker runs one
    torch thread: the job needs two cores whatever the node count. Ray's own metrics
    collection is off (why: ``cluster_faults.local_cluster``).
@@ -24,11 +27,15 @@ What it does:
    job measures first (the faults make the job last longer; they stop at ``--duration``).
 3. From the first step on, every ``--interval`` x U(0.5, 1.5) seconds, one fault drawn
    from those that are possible now (``--kinds``): ``sigkill`` / ``sigterm`` a random
-   training worker process; ``drain`` a node hosting a worker (Ray's own
-   ``DrainNode`` GCS call with reason ``DRAIN_NODE_REASON_PREEMPTION``, what ``ray
-   drain-node --deadline-remaining-seconds 20``, the autoscaler and KubeRay make), then
-   remove it when its deadline passes; ``remove`` a node hosting a worker, no notice;
-   ``add`` a node. Between 1 and ``--nodes`` worker nodes stay up (``add`` is drawn
+   training worker process; ``evict`` the pod of a node hosting a worker as the kubelet
+   deletes a pod (the shipped preStop hook ``elastic-ddp drain-node --self --deadline
+   <--evict-deadline>`` inside the pod, then SIGTERM to its ``ray start``, then SIGKILL
+   to what is left after ``--evict-grace`` seconds: a spot reclaim, ``kubectl drain``, a
+   scale-down); ``drain`` (not drawn unless named in ``--kinds``) a node hosting a worker
+   by Ray's own ``DrainNode`` GCS call with reason ``DRAIN_NODE_REASON_PREEMPTION``
+   (what ``ray drain-node --deadline-remaining-seconds 20`` and the autoscaler make),
+   then remove it when its deadline passes; ``remove`` a node hosting a worker, no
+   notice (a pod: every process SIGKILLed at once); ``add`` a node. Between 1 and ``--nodes`` worker nodes stay up (``add`` is drawn
    twice as often as each removal, so the cluster refills).
 4. Runs the same job uninterrupted (same config and samples) on the full cluster:
    ``--baseline after`` (default), ``before``, or ``none``; ``--baseline only --epochs N
@@ -40,7 +47,8 @@ What it does:
    restarted group, or in ``per_step`` mode the replacement); stall seconds (the longest
    pause between two trained steps of any process during the fault and its recovery);
    steps recomputed (trained again after it, from the ledger);
-   then goodput, the ledger audit of every epoch (``elastic_ddp.ledger.audit``: samples
+   then goodput, the seconds lost per fault with their parts (the job's own
+   ``lost_s_per_fault`` and ``goodput_parts``), the ledger audit of every epoch (``elastic_ddp.ledger.audit``: samples
    repeated and lost), the product's restart events, and the final val_loss against the
    uninterrupted run's. All of it also goes to ``--out/soak-<mode>.json``.
 
@@ -53,6 +61,7 @@ Ctrl-C stops it; the cluster is shut down on exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -67,14 +76,19 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_faults, when loaded by path
-from cluster_faults import add_node, drain_node, local_cluster, train_workers  # noqa: E402
+from cluster_faults import Pod, _nodisk, add_node, drain_node, local_cluster, train_workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "experiments/configs/bench_gpt.yaml"
-KINDS = ("sigkill", "sigterm", "drain", "remove", "add")
+KINDS = ("sigkill", "sigterm", "drain", "evict", "remove", "add")
+#: Drawn unless ``--kinds`` says otherwise: a pod's eviction in place of the bare GCS drain
+#: (on Kubernetes nobody calls ``ray drain-node``; the eviction's hook does).
+DEFAULT_KINDS = ("sigkill", "sigterm", "evict", "remove", "add")
+#: Faults that give notice (the job can commit a checkpoint first).
+NOTICE = ("sigterm", "drain", "evict")
 LABELS = {"sigkill": "worker SIGKILL", "sigterm": "worker SIGTERM",
-          "drain": "node drain + removal", "remove": "node removed, no notice",
-          "add": "node added"}
+          "drain": "node drain + removal", "evict": "pod evicted (hook)",
+          "remove": "node removed, no notice", "add": "node added"}
 NODE_CPUS = 2  # logical: a worker asks for all of a node's, never the head's one
 
 
@@ -85,7 +99,7 @@ def possible(kind: str, nodes: int, max_nodes: int, workers: int) -> bool:
     worker, a removal leaves one node at least, an addition needs room."""
     if kind in ("sigkill", "sigterm"):
         return workers > 0
-    if kind in ("drain", "remove"):
+    if kind in ("drain", "evict", "remove"):
         return nodes >= 2
     if kind == "add":
         return nodes < max_nodes
@@ -125,8 +139,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="scaling.fault_tolerance")
     ap.add_argument("--duration", type=float, default=3600.0, help="seconds of faults")
     ap.add_argument("--interval", type=float, default=30.0, help="mean seconds between faults")
-    ap.add_argument("--kinds", type=parse_kinds, default=KINDS, help=f"fault kinds drawn ({','.join(KINDS)})")
+    ap.add_argument("--kinds", type=parse_kinds, default=DEFAULT_KINDS,
+                    help=f"fault kinds drawn, of {','.join(KINDS)} (default {','.join(DEFAULT_KINDS)})")
     ap.add_argument("--drain-deadline", type=float, default=20.0, help="seconds of notice a drain gives")
+    ap.add_argument("--evict-grace", type=float, default=45.0,
+                    help="an evicted pod's terminationGracePeriodSeconds: SIGKILL this long after the hook starts")
+    ap.add_argument("--evict-deadline", type=float, default=35.0,
+                    help="the preStop hook's --deadline (the grace less a margin)")
     ap.add_argument("--nodes", type=int, default=3, help="worker nodes at most (and at the start)")
     ap.add_argument("--epochs", type=int, default=None, help="default: from a calibration run")
     ap.add_argument("--data", default=str(ROOT / "data/pycode_bench"), help="a pycode data set (train/, val/)")
@@ -142,6 +161,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.nodes < 2:
         ap.error("--nodes must be 2 or more (a node can only leave when another stays)")
+    if not 0 < args.evict_deadline < args.evict_grace:
+        ap.error("--evict-deadline must be above 0 and below --evict-grace (the hook ends before the SIGKILL)")
+    args.pods = "evict" in args.kinds
     if args.baseline == "only" and args.epochs is None:
         ap.error("--baseline only needs --epochs (the soak's, printed in its header and JSON)")
     if args.against and args.baseline != "only":
@@ -152,8 +174,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------ the faults
 @dataclass
 class Fault:
-    """One injected fault: ``t`` when (seconds since the epoch; a drain: the drain call),
-    ``until`` when it was over (a drain: its node's removal), what it hit."""
+    """One injected fault: ``t`` when (seconds since the epoch; a drain: the drain call;
+    an eviction: the hook's start), ``until`` when it was over (a drain: its node's
+    removal; an eviction: the pod's last process gone), what it hit."""
 
     kind: str
     t: float
@@ -166,21 +189,51 @@ class Fault:
 @dataclass
 class Injector:
     """Draws and injects the faults, from the main thread (Ray's ``Node`` installs a
-    SIGTERM handler, which Python allows only there)."""
+    SIGTERM handler, which Python allows only there). ``pods``: the worker nodes are
+    :class:`cluster_faults.Pod` processes (``args.pods``), else the ``Cluster``'s own
+    nodes; :meth:`close` stops the pods."""
 
     cluster: object
     args: argparse.Namespace
     rng: random.Random
     log: list[Fault] = field(default_factory=list)
+    pods: list = field(default_factory=list)
+    log_dir: Optional[Path] = None
+
+    def nodes(self) -> list:
+        """The worker nodes up now (each with ``node_id``)."""
+        return list(self.pods) if self.args.pods else list(self.cluster.worker_nodes)
 
     def _node_of(self, node_id: str):
-        return next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+        return next((n for n in self.nodes() if n.node_id == node_id), None)
 
     def _target_node(self):
         """A node hosting a training worker (a random one), else any worker node."""
         hosting = [n for n in (self._node_of(w["node_id"]) for w in train_workers()) if n is not None]
-        pool = hosting or list(self.cluster.worker_nodes)
+        pool = hosting or self.nodes()
         return self.rng.choice(sorted(pool, key=lambda n: n.node_id))
+
+    def add_node(self):
+        """One worker node more: a pod, or a node of the ``Cluster``."""
+        if not self.args.pods:
+            return add_node(self.cluster, num_cpus=NODE_CPUS)
+        log = Path(self.log_dir or "/tmp") / f"pod-{len(self.log)}-{len(self.pods)}-{time.time():.0f}.log"
+        pod = Pod(self.cluster.address, NODE_CPUS, log, self.args.evict_grace, self.args.evict_deadline)
+        self.pods.append(pod)
+        return pod
+
+    def _remove(self, node) -> None:
+        """``node`` gone at once, no notice (a pod: every process SIGKILLed)."""
+        if self.args.pods:
+            self.pods.remove(node)
+            node.kill()
+        else:
+            self.cluster.remove_node(node)
+
+    def close(self) -> None:
+        for pod in list(self.pods):
+            pod.kill()
+        self.pods.clear()
 
     def inject(self, kind: str, stop: threading.Event) -> Fault:
         t = time.time()
@@ -196,19 +249,35 @@ class Injector:
                 print(f"[soak] {time.strftime('%H:%M:%S')} drain {node.node_id[:12]} "
                       f"(removal in {self.args.drain_deadline:.0f} s)", flush=True)
                 stop.wait(max(0.0, t + self.args.drain_deadline - time.time()))
-                self.cluster.remove_node(node)
+                self._remove(node)
                 until = time.time()
                 detail = f"node {node.node_id[:12]}, removed after {until - t:.1f} s"
+            elif kind == "evict":
+                node = self._target_node()
+                self.pods.remove(node)
+                try:
+                    got = node.evict(hook=True)
+                except BaseException:
+                    node.kill()
+                    raise
+                until = time.time()
+                hook = (f"hook rc {got['hook_rc']} in {got['hook_s']:.1f} s" if got["hook_s"] is not None
+                        else f"hook {got['hook_rc']}")
+                gone = (f"ray start exited {got['exited_s']:.1f} s after the start" if got["exited_s"] is not None
+                        else "SIGKILLed at the grace")
+                detail = f"node {node.node_id[:12]}: {hook}; {gone}"
+                if got["hook_rc"] != 0:  # still an eviction: the kubelet goes on without the hook
+                    detail += f"; hook said: {got['hook_out'].strip()[-300:]}"
             elif kind == "remove":
                 node = self._target_node()
-                self.cluster.remove_node(node)
+                self._remove(node)
                 detail = f"node {node.node_id[:12]}"
             else:
-                node = add_node(self.cluster, num_cpus=NODE_CPUS)
+                node = self.add_node()
                 detail = f"node {node.node_id[:12]}"
         except Exception as e:  # noqa: BLE001 - the soak goes on; the failure is reported
             detail, ok = f"failed: {type(e).__name__}: {e}", False
-        f = Fault(kind, t, until, detail, len(self.cluster.worker_nodes), ok)
+        f = Fault(kind, t, until, detail, len(self.nodes()), ok)
         self.log.append(f)
         print(f"[soak] {time.strftime('%H:%M:%S')} {kind} {detail} (worker nodes now "
               f"{f.nodes_after})", flush=True)
@@ -217,7 +286,7 @@ class Injector:
     def run(self, end_t: float, stop: threading.Event) -> None:
         """Faults until ``end_t`` or ``stop`` (the job ended)."""
         while not stop.wait(next_gap(self.rng, self.args.interval)) and time.time() < end_t:
-            kind = draw(self.rng, self.args.kinds, len(self.cluster.worker_nodes), self.args.nodes,
+            kind = draw(self.rng, self.args.kinds, len(self.nodes()), self.args.nodes,
                         len(train_workers()))
             if kind is not None:
                 self.inject(kind, stop)
@@ -443,7 +512,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ids = read_sample_ids(Path(args.data) / "train")
     steps_per_epoch = -(-len(ids) // 32)  # bench_gpt's global batch
     rng = random.Random(args.seed)
-    with local_cluster(args.nodes, NODE_CPUS, log_to_driver=False) as cluster:
+    if args.pods:
+        why = _nodisk().namespaces_unavailable()
+        if why:
+            print(f"[soak] the evict kind needs pods (mount namespaces): {why}; run as root, or leave "
+                  f"evict out of --kinds", file=sys.stderr)
+            return 2
+    with local_cluster(0 if args.pods else args.nodes, NODE_CPUS, log_to_driver=False) as cluster, \
+            contextlib.closing(Injector(cluster, args, rng, log_dir=out / "pods" / stamp)) as injector:
+        if args.pods:
+            injector.log_dir.mkdir(parents=True, exist_ok=True)
+            for _ in range(args.nodes):
+                injector.add_node()
+            print(f"[soak] {args.nodes} worker pods up (logs in {injector.log_dir})", flush=True)
         epochs = args.epochs
         if epochs is None:
             rate = calibrate(args, out, stamp)
@@ -458,7 +539,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             baseline = train(job_config(args, out, f"soak-baseline-{args.mode}-{stamp}", epochs), progress=False)
         ledger = out / "ledger" / f"soak-{args.mode}-{stamp}"
         cfg = job_config(args, out, f"soak-{args.mode}-{stamp}", epochs)
-        injector = Injector(cluster, args, rng)
         stop, result = threading.Event(), {}
 
         def run_job():
@@ -480,7 +560,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         t_faults_end = time.time()
         # The nodes back, for the job's rest and the baseline (faults too: the job may
         # grow on them).
-        while len(cluster.worker_nodes) < args.nodes and injector.inject("add", stop).ok:
+        while len(injector.nodes()) < args.nodes and injector.inject("add", stop).ok:
             pass
         job.join()
         wall = time.time() - t0
@@ -509,12 +589,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  +{r['t'] - t_faults:6.0f} s {r['kind']:8s} recovery {num(r['recovery_s']):>5} s  stall "
               f"{num(r['stall_s']):>5} s  recomputed {r['steps_recomputed']:3d}  {r['detail']}")
     print(format_table(rows))
-    with_notice = [r for r in rows if r["kind"] in ("sigterm", "drain") and r["ok"]]
-    if with_notice:
-        print(f"faults with notice (SIGTERM, drain): {sum(r['steps_recomputed'] == 0 for r in with_notice)} "
-              f"of {len(with_notice)} recomputed 0 steps")
+    for kinds, label in ((NOTICE, "faults with notice (SIGTERM, drain, eviction)"), (("add",), "grows (node added)")):
+        some = [r for r in rows if r["kind"] in kinds and r["ok"] and (kinds != ("add",) or r["recovery_s"] is not None)]
+        if some:
+            print(f"{label}: {sum(r['steps_recomputed'] == 0 for r in some)} of {len(some)} recomputed 0 steps")
     print(f"wall {wall:.0f} s  goodput {s.goodput:.1%} (committed training-step time / wall time)  "
           f"steps {s.steps}  restarts {s.restarts}  world sizes {s.world_sizes_seen}")
+    lost = "-" if s.lost_s_per_fault is None else f"{s.lost_s_per_fault:.1f} s"
+    parts = ", ".join(f"{k[:-2] if k.endswith('_s') else k} {v:.1f} s" for k, v in s.goodput_parts.items())
+    print(f"lost per fault: {lost} (the job's own lost_s_per_fault); the wall time's parts: {parts}")
     procs = _ledger_processes(ledger)
     g_all, g_faults = ledger_goodput(procs, t0, t0 + wall), ledger_goodput(procs, t_faults, t_faults_end)
     print(f"goodput from the ledger: {g_faults:.1%} during the faults, {g_all:.1%} over the wall time "
@@ -535,7 +618,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"val_loss {val} (no uninterrupted run)")
     figures = {"args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
                "epochs": epochs, "wall_s": wall, "faults_s": t_faults_end - t_faults,
-               "goodput": s.goodput, "goodput_faults_ledger": g_faults, "goodput_ledger": g_all,
+               "goodput": s.goodput, "lost_s_per_fault": s.lost_s_per_fault,
+               "goodput_parts": s.goodput_parts, "goodput_faults_ledger": g_faults, "goodput_ledger": g_all,
                "t0": t0, "t_faults": t_faults, "t_faults_end": t_faults_end, "steps": s.steps, "restarts": s.restarts,
                "world_sizes_seen": s.world_sizes_seen, "faults": rows, "events": events,
                "audit": {"ok": report["ok"], "problems": report.get("problems", []),

@@ -31,28 +31,29 @@ def soak():
 
 
 def test_the_schedule_draws_only_possible_faults_and_refills_the_cluster(soak):
-    def simulate(seed: int, n: int = 3000, max_nodes: int = 3) -> tuple[list, Counter]:
+    def simulate(seed: int, kinds=soak.DEFAULT_KINDS, n: int = 3000, max_nodes: int = 3) -> tuple[list, Counter]:
         rng, nodes, drawn, seen = random.Random(seed), max_nodes, [], Counter()
         for _ in range(n):
             gap = soak.next_gap(rng, 30.0)
             assert 15.0 <= gap <= 45.0
-            kind = soak.draw(rng, soak.KINDS, nodes, max_nodes, workers=min(nodes, 2))
+            kind = soak.draw(rng, kinds, nodes, max_nodes, workers=min(nodes, 2))
             assert soak.possible(kind, nodes, max_nodes, min(nodes, 2)), (kind, nodes)
-            assert kind not in ("drain", "remove") or nodes >= 2
+            assert kind not in ("drain", "evict", "remove") or nodes >= 2
             assert kind != "add" or nodes < max_nodes
-            nodes += {"add": 1, "drain": -1, "remove": -1}.get(kind, 0)
+            nodes += {"add": 1, "drain": -1, "evict": -1, "remove": -1}.get(kind, 0)
             drawn.append((round(gap, 6), kind))
             seen[nodes] += 1
         return drawn, seen
 
     drawn, nodes_seen = simulate(0)
     assert drawn == simulate(0)[0] and drawn != simulate(1)[0]  # the seed decides
-    kinds = Counter(k for _, k in drawn)
-    assert set(kinds) == set(soak.KINDS), kinds
-    # Removals and additions balance: the cluster spends most of its time with 2 or 3 nodes.
+    assert set(k for _, k in drawn) == set(soak.DEFAULT_KINDS)
+    assert set(k for _, k in simulate(0, soak.KINDS)[0]) == set(soak.KINDS)
+    # The default's removals (evict, remove) and additions balance: the cluster spends most
+    # of its time with 2 or 3 nodes.
     assert nodes_seen[1] < 0.35 * sum(nodes_seen.values()), nodes_seen
     rng = random.Random(0)
-    assert soak.draw(rng, ("drain", "remove"), 1, 3, 1) is None  # nothing possible
+    assert soak.draw(rng, ("drain", "evict", "remove"), 1, 3, 1) is None  # nothing possible
     assert {soak.draw(rng, ("sigkill", "add"), 3, 3, 2) for _ in range(50)} == {"sigkill"}
     with pytest.raises(ValueError, match="unknown fault kind"):
         soak.possible("reboot", 2, 3, 2)
@@ -61,17 +62,21 @@ def test_the_schedule_draws_only_possible_faults_and_refills_the_cluster(soak):
 def test_the_arguments(soak, capsys):
     a = soak.parse_args([])
     assert (a.mode, a.duration, a.interval, a.drain_deadline, a.kinds, a.nodes, a.baseline) == (
-        "restart", 3600.0, 30.0, 20.0, soak.KINDS, 3, "after")
+        "restart", 3600.0, 30.0, 20.0, soak.DEFAULT_KINDS, 3, "after")
+    # The eviction replaces the bare GCS drain by default, and needs the nodes as pods.
+    assert "evict" in a.kinds and "drain" not in a.kinds and a.pods
+    assert (a.evict_grace, a.evict_deadline) == (45.0, 35.0)
     a = soak.parse_args(["--mode", "per_step", "--kinds", "drain, sigkill", "--duration", "90"])
-    assert (a.mode, a.kinds, a.duration) == ("per_step", ("sigkill", "drain"), 90.0)
+    assert (a.mode, a.kinds, a.duration, a.pods) == ("per_step", ("sigkill", "drain"), 90.0, False)
     for bad in (["--kinds", "sigkill,reboot"], ["--kinds", ","], ["--mode", "torchrun"], ["--nodes", "1"],
-                ["--baseline", "only"], ["--against", "x.json"]):
+                ["--baseline", "only"], ["--against", "x.json"], ["--evict-grace", "30", "--evict-deadline", "30"]):
         with pytest.raises(SystemExit) as e:
             soak.parse_args(bad)
         assert e.value.code == 2, bad
     err = capsys.readouterr().err
     assert "reboot" in err and "--nodes must be 2 or more" in err
     assert "--baseline only needs --epochs" in err and "--against goes with --baseline only" in err
+    assert "--evict-deadline must be above 0 and below --evict-grace" in err
 
 
 def test_the_uninterrupted_job_alone_against_soaks(soak, tmp_path, capsys):
@@ -217,13 +222,17 @@ def test_ledger_goodput_counts_the_kept_steps_in_the_window(soak):
 
 @pytest.mark.slow
 @pytest.mark.ray  # its own 3-node cluster: it runs in the serial pass, with no test beside it
-def test_a_short_soak_in_restart_mode_audits_clean_and_exits_0(pycode_data, tmp_path):
-    """About 75 s of faults (a SIGTERM, a SIGKILL, a drain, a node removed or added) on a
-    ~200 kB corpus; the job and its uninterrupted twin on a real 3-node local cluster."""
+def test_a_short_soak_in_restart_mode_audits_clean_and_exits_0(soak, pycode_data, tmp_path):
+    """About 75 s of faults (SIGTERM, SIGKILL, a pod evicted with the preStop hook, a
+    node removed or added, a node drained) on a ~200 kB corpus; the job and its
+    uninterrupted twin on a real local cluster of 3 worker pods (of 3 ``Cluster`` nodes
+    and no eviction where mount namespaces are not permitted: not root)."""
+    pods = not soak._nodisk().namespaces_unavailable()
+    kinds = "sigkill,sigterm,evict,drain,remove,add" if pods else "sigkill,sigterm,drain,remove,add"
     out = subprocess.run(
         [sys.executable, str(SOAK), "--mode", "restart", "--duration", "75", "--interval", "15",
-         "--drain-deadline", "10", "--epochs", "3", "--data", str(pycode_data), "--seed", "3",
-         "--out", str(tmp_path / "soak")],
+         "--drain-deadline", "10", "--evict-grace", "30", "--evict-deadline", "20", "--kinds", kinds,
+         "--epochs", "3", "--data", str(pycode_data), "--seed", "3", "--out", str(tmp_path / "soak")],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(out.stdout[-6000:], out.stderr[-3000:])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -236,3 +245,11 @@ def test_a_short_soak_in_restart_mode_audits_clean_and_exits_0(pycode_data, tmp_
     epochs = [ln.split() for ln in audit.splitlines() if ln.strip()[:1].isdigit() and len(ln.split()) == 7]
     assert len(epochs) == 3 and all(e[3] == "0" and e[4] == "0" for e in epochs), audit
     assert "val_loss" in text and "within" in text, table
+    assert ("worker pods up" in text) == pods, text[:2000]
+    # Every fault with notice (SIGTERM, an eviction's hook, a drain) and every grow
+    # checkpoints first: none recomputes a step.
+    for ln in text.splitlines():
+        if ln.startswith(("faults with notice", "grows (node added)")):
+            n, of = ln.split(": ", 1)[1].split(" recomputed")[0].split(" of ")
+            assert n == of, ln
+    assert "lost per fault:" in text, table

@@ -1,7 +1,8 @@
 """A worker pod evicted as Kubernetes evicts it, on a real multi-node local Ray cluster.
 
 Each worker node is a ``ray start --address=... --block`` process in a mount namespace
-of its own (``unshare --mount``), as a pod's container is. An eviction does what the
+of its own (``unshare --mount``), as a pod's container is (``cluster_faults.Pod``, which
+the soak's ``evict`` fault uses too). An eviction does what the
 kubelet does to a pod being deleted: it runs the pod's ``preStop`` hook inside the
 container (``nsenter --mount`` into the node's namespace: the shipped hook, ``elastic-ddp
 drain-node --self --deadline N``), then sends SIGTERM to the container's main process
@@ -11,8 +12,9 @@ drain-node --self --deadline N``), then sends SIGTERM to the container's main pr
 With the hook, the eviction is a notice: the job commits a checkpoint at the next step
 boundary, restarts on the spare node from it and recomputes no step; the preemption is
 recorded with the node's id and ``scaling.max_failures: 0`` is not spent. Without the hook
-the SIGTERM takes the node down at once: the job sees the node's loss as a failure and
-recomputes the steps since its last checkpoint (``scaling.max_failures: 1`` here).
+the SIGTERM reaches ``ray start``, which on Ray 2.60 drains its own node as a preemption
+for ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` seconds (set under the grace period, as
+the manifests set it) before it stops its processes: the same notice, later.
 
 Needs root for the mount namespaces (skipped otherwise, saying so). Slow tier: two jobs,
 each paying Ray Train's start-up twice.
@@ -21,11 +23,6 @@ each paying Ray Train's start-up twice.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,7 +33,7 @@ from conftest import digits_config
 from elastic_ddp import train
 from elastic_ddp.ledger import audit, format_audit
 from elastic_ddp.run_state import Diagnostics
-from helpers import add_node, max_step, train_ids, wait_until
+from helpers import _cluster_faults, add_node, max_step, train_ids, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -47,94 +44,15 @@ DEADLINE_S = 35      # the hook's --deadline: the grace less a margin for Ray's 
 # Slower steps (sleep only: the arithmetic is unchanged), so that the eviction lands
 # mid-epoch on a loaded machine.
 SLOW = {"rank": -1, "at_step": 0, "where": "none", "step_s": 0.3}
-BIN = Path(sys.executable).parent
-
-
-def _namespaces_permitted() -> str:
-    if os.geteuid() != 0:
-        return "mount namespaces need root (unshare --mount)"
-    if not shutil.which("unshare") or not shutil.which("nsenter"):
-        return "util-linux's unshare and nsenter are not installed"
-    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
-    return "" if r.returncode == 0 else f"unshare --mount failed: {r.stderr.decode().strip()}"
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    kids: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        kids.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
-
-
-class Pod:
-    """One worker node as a pod's container: ``ray start --block`` in its own mount
-    namespace. ``node_id``: its raylet's, read from the raylet's command line."""
-
-    def __init__(self, address: str, cpus: int):
-        self.proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", str(BIN / "ray"), "start",
-             f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--object-store-memory=100000000",
-             "--block", "--disable-usage-stats"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            # Ray 2.60's own drain of its node on SIGTERM, bounded as the manifests bound it.
-            env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DEADLINE_S)})
-        self.node_id = None
-        wait_until(lambda: self._raylet_node_id() is not None, 60)
-
-    def _raylet_node_id(self):
-        for p in _children(self.proc.pid):
-            try:
-                argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv and argv[0].endswith(b"/raylet"):
-                ids = [a[len(b"--node_id="):].decode() for a in argv if a.startswith(b"--node_id=")]
-                self.node_id = ids[0] if ids else None
-                return self.node_id
-        return None
-
-    def evict(self, hook: bool) -> dict:
-        """The kubelet's deletion of this pod: preStop hook (optional), SIGTERM to the
-        container's main process, SIGKILL to what is left when the grace period ends."""
-        t0 = time.monotonic()
-        out = {}
-        if hook:
-            r = subprocess.run(["nsenter", f"--target={self.proc.pid}", "--mount", "--",
-                                str(BIN / "elastic-ddp"), "drain-node", "--self", "--deadline",
-                                str(DEADLINE_S)], capture_output=True, text=True, timeout=GRACE_S)
-            out = {"hook_rc": r.returncode, "hook_out": r.stdout + r.stderr,
-                   "hook_s": time.monotonic() - t0}
-        tree = [self.proc.pid, *_children(self.proc.pid)]
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=max(0.0, GRACE_S - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            pass
-        for p in tree:  # the container's cgroup is killed as a whole
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=30)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.evict(hook=False)
 
 
 @pytest.fixture(scope="module")
-def pods():
-    """A head (1 CPU: the driver's tasks and Ray Train's controller) and three 2-CPU pods;
-    a worker asks for 2 CPUs, so each pod holds one and the 2-worker job has a spare."""
-    why = _namespaces_permitted()
+def pods(tmp_path_factory):
+    """A head (1 CPU: the driver's tasks and Ray Train's controller) and three 2-CPU pods
+    (``cluster_faults.Pod``); a worker asks for 2 CPUs, so each pod holds one and the
+    2-worker job has a spare. ``new_pod()``: one more."""
+    faults = _cluster_faults()
+    why = faults._nodisk().namespaces_unavailable()
     if why:
         pytest.skip(f"no mount namespaces here: {why}")
     import ray
@@ -143,18 +61,24 @@ def pods():
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster()
-    running: list[Pod] = []
+    logs = tmp_path_factory.mktemp("pod-logs")
+    running: list = []
+
+    def new_pod():
+        return faults.Pod(c.address, 2, logs / f"pod-{time.time():.3f}.log", GRACE_S, DEADLINE_S)
+
+    c.new_pod = new_pod
     try:
         add_node(c, num_cpus=1, include_dashboard=False,
                  _system_config={"enable_metrics_collection": False})
-        running += [Pod(c.address, 2) for _ in range(3)]
+        running += [new_pod() for _ in range(3)]
         ray.init(address=c.address, logging_level="WARNING")
         wait_until(lambda: sum(n["Alive"] for n in ray.nodes()) == 4, 60)
         yield c, running
     finally:
         ray.shutdown()
         for p in running:
-            p.stop()
+            p.kill()
         c.shutdown()
 
 
@@ -212,7 +136,7 @@ def _evict_mid_epoch(pods, data, tmp: Path, name: str, hook: bool, max_failures:
     evicted = pod.evict(hook=hook)
     running.remove(pod)
     print(json.dumps(evicted, indent=1))
-    running.append(Pod(cluster.address, 2))  # the next job keeps its spare
+    running.append(cluster.new_pod())  # the next job keeps its spare
     th.join(600)
     assert not th.is_alive(), "training did not finish in 10 minutes"
     if "error" in result:
