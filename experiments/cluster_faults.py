@@ -136,10 +136,56 @@ def local_cluster(nodes: int, node_cpus: int, head_cpus: int = 1, ray_metrics: b
             _nodisk().start_nodes(cluster, nodes, node_cpus, hide, keep, node_env, log_dir)
         yield cluster
     finally:
+        end_running_jobs()
         ray.shutdown()
         for node in getattr(cluster, "nodisk_nodes", []):
             node.stop()
         cluster.shutdown()
+
+
+def _in_train(frame) -> bool:
+    """Whether ``frame``'s stack runs ``elastic_ddp.train`` (the driver's job)."""
+    end = os.path.join("elastic_ddp", "driver", "launcher.py")
+    while frame is not None:
+        if frame.f_code.co_name == "train" and frame.f_code.co_filename.endswith(end):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def end_running_jobs(timeout_s: float = 120.0) -> list[str]:
+    """Before this driver disconnects from its cluster (``ray.shutdown()``): a job still
+    running in another thread of this process (``elastic_ddp.train`` on its stack: a test
+    that failed while its job ran on, an experiment stopped by Ctrl-C) is ended by
+    SIGKILL to the processes of the cluster's live actors (its controller, workers and
+    tracker: the job's ``fit`` then fails and ``train`` returns), and waited for up to
+    ``timeout_s`` in all. Returns the names of the job threads still alive after that.
+
+    Why: Ray ends the whole process, exit status 1, when a thread calls into Ray after
+    ``ray.shutdown()`` ("The core worker has already been shutdown ... The process will
+    exit"): one failed test with its job thread left running would stop the test
+    session there, without its summary. Costs nothing when no job runs."""
+    import threading
+
+    frames = sys._current_frames()
+    me = threading.current_thread()
+    jobs = [t for t in threading.enumerate() if t is not me and _in_train(frames.get(t.ident))]
+    if not jobs:
+        return []
+    try:
+        import ray._private.state as state
+
+        actors = state.actors(actor_state_name="ALIVE").values()
+    except Exception:  # noqa: BLE001 - no GCS to ask: the jobs end with it anyway
+        actors = []
+    _kill([int(a["Pid"]) for a in actors if a.get("Pid") and cmdline(int(a["Pid"])).startswith("ray::")])
+    deadline = time.time() + timeout_s
+    for t in jobs:
+        t.join(max(0.0, deadline - time.time()))
+    left = [t.name for t in jobs if t.is_alive()]
+    print(f"[cluster_faults] {len(jobs)} job thread(s) still running at the cluster's shutdown: their "
+          f"actors killed; {len(left)} still alive after that", file=sys.stderr, flush=True)
+    return left
 
 
 @contextlib.contextmanager

@@ -22,7 +22,9 @@ import pytest
 # imported. A thread that outlives its test (the job thread of a test that failed while
 # its job ran on) would otherwise connect again on its next Ray call after the fixture's
 # ray.shutdown(), and every later module's ray.init would then fail as "called twice";
-# with it off, that call raises in the leaked thread alone. The variable is removed again
+# with it off, that call raises in the leaked thread alone. (A job thread that is still
+# inside Ray when the connection goes would end the whole test process: the cluster
+# fixtures end such a job first, ``cluster_faults.end_running_jobs``.) The variable is removed again
 # at once, so the CLI subprocesses and Ray's workers start with the environment as given.
 if "ray" not in sys.modules and "RAY_ENABLE_AUTO_CONNECT" not in os.environ:
     os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
@@ -116,6 +118,11 @@ def ray_cluster():
     try:
         yield ray
     finally:
+        from helpers import _cluster_faults
+
+        # A failed test's job thread still running: ended first, since Ray ends the whole
+        # test process when a thread calls into it after ray.shutdown().
+        _cluster_faults().end_running_jobs()
         ray.shutdown()
 
 

@@ -76,6 +76,7 @@ def pods(tmp_path_factory):
         wait_until(lambda: sum(n["Alive"] for n in ray.nodes()) == 4, 60)
         yield c, running
     finally:
+        faults.end_running_jobs()  # a failed test's job thread first (ray.shutdown under it ends pytest)
         ray.shutdown()
         for p in running:
             p.kill()
