@@ -1,8 +1,11 @@
 """experiments/cluster_faults.py's teardown of a local cluster while a job still runs in
-a thread of the driver (a test that failed with its job running on): the job is ended
-before ``ray.shutdown()``, and the driver process lives on. Ray ends a process, exit
-status 1, when one of its threads calls into Ray after ``ray.shutdown()``; a test
-session would then stop at that module, without its summary."""
+a thread of the driver (a test that failed with its job running on): the job's actors
+are killed and its thread has ended before ``ray.shutdown()``, and the driver process
+lives on. Why: Ray can end a process, exit status 1, when it is reached from a thread
+after ``ray.shutdown()`` ("The core worker has already been shutdown ... The process
+will exit"); a test session stopped that way, without its summary, after one failed
+test. Whether a thread left running triggers it depends on where the thread is inside
+Ray at that moment, so the test checks that no job thread is left, not the exit."""
 
 from __future__ import annotations
 
