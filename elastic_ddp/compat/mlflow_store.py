@@ -5,7 +5,7 @@
   writing artifacts to the old place. Three ``UPDATE`` statements on the tables MLflow's
   own ORM maps (``experiments``, ``runs``, ``logged_models``), and a clear of the
   per-process artifact repository cache (``mlflow.tracking._tracking_service.utils``).
-  Tested with MLflow 3.10-3.17 (the ``mlflow`` range in pyproject.toml): a schema without
+  Tested with MLflow 3.10-3.18 (the ``mlflow`` range in pyproject.toml): a schema without
   a table is skipped, and a missing cache attribute is ignored (it only saves a stale
   location in this process).
 - :func:`tracking_store_schemes`: the URI schemes of MLflow's own tracking stores, a copy
@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-# mlflow.tracking._tracking_service.utils registers these (MLflow 3.17).
+# mlflow.tracking._tracking_service.utils registers these (MLflow 3.17 and 3.18).
 MLFLOW_STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https",
                         "databricks")
 MLFLOW_STORE_PLUGINS = "mlflow.tracking_store"

@@ -54,7 +54,7 @@ PREEMPTION_RAY = ("2.60.0",)
 # compat.mlflow_store were tested on; elsewhere each takes the fallback its module
 # names (read from the installed package's metadata: neither is imported for it).
 TESTED_TORCH = ("2.13",)
-TESTED_MLFLOW = ("3.17",)
+TESTED_MLFLOW = ("3.17", "3.18")
 # The releases whose Ray Train checkpoint-manager snapshot (its format, the deleting
 # helper its pruning calls) compat.ray_snapshot was tested on; elsewhere it does nothing.
 SNAPSHOT_RAY = ("2.60.0",)
