@@ -15,7 +15,8 @@ What it does:
    the Ray Train controller, the tracker) and ``--nodes`` worker nodes (2 logical CPUs
    each). With ``evict`` among the kinds (the default), each worker node is a pod
    (``cluster_faults.Pod``: ``ray start --block`` in a mount namespace of its own, as a
-   pod's container runs it; root only), else a node of the ``Cluster``. A training worker asks for 2 logical CPUs, so a node holds one worker and a
+   pod's container runs it; root only), else a node of the ``Cluster``. A training
+   worker asks for 2 logical CPUs, so a node holds one worker and a
    worker never lands on the head: removing a node removes a rank. Each worker runs one
    torch thread: the job needs two cores whatever the node count. Ray's own metrics
    collection is off (why: ``cluster_faults.local_cluster``).
@@ -35,7 +36,8 @@ What it does:
    by Ray's own ``DrainNode`` GCS call with reason ``DRAIN_NODE_REASON_PREEMPTION``
    (what ``ray drain-node --deadline-remaining-seconds 20`` and the autoscaler make),
    then remove it when its deadline passes; ``remove`` a node hosting a worker, no
-   notice (a pod: every process SIGKILLed at once); ``add`` a node. Between 1 and ``--nodes`` worker nodes stay up (``add`` is drawn
+   notice (a pod: every process SIGKILLed at once); ``add`` a node. Between 1 and
+   ``--nodes`` worker nodes stay up (``add`` is drawn
    twice as often as each removal, so the cluster refills).
 4. Runs the same job uninterrupted (same config and samples) on the full cluster:
    ``--baseline after`` (default), ``before``, or ``none``; ``--baseline only --epochs N
@@ -48,7 +50,8 @@ What it does:
    pause between two trained steps of any process during the fault and its recovery);
    steps recomputed (trained again after it, from the ledger);
    then goodput, the seconds lost per fault with their parts (the job's own
-   ``lost_s_per_fault`` and ``goodput_parts``), the ledger audit of every epoch (``elastic_ddp.ledger.audit``: samples
+   ``lost_s_per_fault`` and ``goodput_parts``), the ledger audit of every epoch
+   (``elastic_ddp.ledger.audit``: samples
    repeated and lost), the product's restart events, and the final val_loss against the
    uninterrupted run's. All of it also goes to ``--out/soak-<mode>.json``.
 
