@@ -346,7 +346,11 @@ def test_per_step_sigterm_to_one_worker_leaves_the_quorum_after_a_committed_step
     without redoing one, and Ray replaces the one that left, which heals and joins."""
     ledger = tmp_path / "ledger"
     cfg = _per_step_job(data, tmp_path, "ps-sigterm")
-    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=SLOW),
+    # 1 s steps: the survivor still trains when the replacement has started, healed and
+    # joined (8-10 s after the leave). With 0.15 s steps on a quiet machine the survivor
+    # trained the job's last 37 steps in 9 s, and no replacement joined before the end.
+    slow = {**SLOW, "step_s": 1.0}
+    th, result = _in_thread(lambda: train(cfg, diagnostics=Diagnostics(ledger_dir=str(ledger), fault=slow),
                                           progress=False))
     wait_until(lambda: not th.is_alive() or replicas_together(ledger), 300)
     assert th.is_alive(), result
