@@ -363,7 +363,7 @@ def test_per_step_sigterm_to_one_worker_leaves_the_quorum_after_a_committed_step
     ev = _check_per_step(result["summary"], baseline, ledger, data, "sigterm")
     assert ev["notice_lead_s"] is None and ev["notice_to_leave_s"] < 5, ev
     print(f"[per_step sigterm] the survivor's gap around the leave: {ev['survivor_gap_s']:.2f} s "
-          f"(a step: >= {SLOW['step_s']} s)")
+          f"(a step: >= {slow['step_s']} s)")
 
 
 def test_per_step_a_node_drained_with_a_20s_deadline_loses_its_replica_at_a_step_boundary(
