@@ -161,10 +161,11 @@ def end_running_jobs(timeout_s: float = 120.0) -> list[str]:
     tracker: the job's ``fit`` then fails and ``train`` returns), and waited for up to
     ``timeout_s`` in all. Returns the names of the job threads still alive after that.
 
-    Why: Ray ends the whole process, exit status 1, when a thread calls into Ray after
+    Why: Ray can end the whole process, exit status 1, when a thread reaches it after
     ``ray.shutdown()`` ("The core worker has already been shutdown ... The process will
-    exit"): one failed test with its job thread left running would stop the test
-    session there, without its summary. Costs nothing when no job runs."""
+    exit"; whether it does depends on where the thread is inside Ray): one failed test
+    with its job thread left running stopped a test session there, without its summary.
+    Costs nothing when no job runs."""
     import threading
 
     frames = sys._current_frames()
